@@ -1,0 +1,1 @@
+"""Sparse training on a schedule for PyTorch Lightning."""

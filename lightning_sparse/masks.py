@@ -1,0 +1,119 @@
+"""Pure mask functions: scores in, boolean keep-masks out (``True`` = weight kept).
+
+Every function works on any device and never modifies its input. Structured (N:M) masks group
+``M`` consecutive weights along the input dimension, i.e. along the last axis of the weight
+viewed as ``(out_features, -1)`` (for a convolution: input channels times kernel positions).
+
+Example:
+    >>> import torch
+    >>> from lightning_sparse.masks import NM, topk_mask
+    >>> w = torch.tensor([[0.1, -3.0, 2.0, 0.5], [4.0, 0.0, -1.0, 0.2]])
+    >>> topk_mask(w.abs(), NM(2, 4)).int().tolist()
+    [[0, 1, 1, 0], [1, 0, 1, 0]]
+    >>> topk_mask(w.abs(), 0.75).int().tolist()
+    [[0, 1, 0, 0], [1, 0, 0, 0]]
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class NM:
+    """An N:M pattern: ``n`` weights kept out of every ``m`` consecutive along the input dim."""
+
+    n: int
+    m: int
+
+    def __post_init__(self) -> None:
+        if not (0 < self.n < self.m):
+            raise ValueError(
+                f"sparsity='{self.n}:{self.m}' is impossible: N:M keeps N of every M weights, so "
+                f"it needs 0 < N < M (for example '2:4')"
+            )
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of weights pruned."""
+        return 1.0 - self.n / self.m
+
+    def __str__(self) -> str:
+        return f"{self.n}:{self.m}"
+
+
+Sparsity = float | NM
+"""A target: a fraction of zeros in [0, 1) (unstructured) or an :class:`NM` pattern."""
+
+
+def sparsity_fraction(target: Sparsity) -> float:
+    """The fraction of zeros a target asks for."""
+    return target.sparsity if isinstance(target, NM) else float(target)
+
+
+def describe(target: Sparsity) -> str:
+    """Human-readable target: ``'2:4'``, ``'70%'`` or ``'dense'``."""
+    if isinstance(target, NM):
+        return str(target)
+    return "dense" if target == 0 else f"{target:.0%}" if round(target * 100, 6).is_integer() else f"{target:.2%}"
+
+
+def nm_groups(tensor: Tensor, m: int) -> Tensor:
+    """View ``tensor`` as ``(out, in_groups, m)``: groups of ``m`` along the input dimension."""
+    flat = tensor.reshape(tensor.shape[0], -1)
+    if flat.shape[1] % m:
+        raise ValueError(
+            f"a weight of shape {tuple(tensor.shape)} has {flat.shape[1]} inputs per output, "
+            f"not a multiple of M={m}"
+        )
+    return flat.reshape(flat.shape[0], flat.shape[1] // m, m)
+
+
+def num_kept(numel: int, sparsity: float) -> int:
+    """How many of ``numel`` weights an unstructured ``sparsity`` keeps (rounded to nearest)."""
+    return numel - int(round(sparsity * numel))
+
+
+def topk_mask(score: Tensor, target: Sparsity) -> Tensor:
+    """Keep the highest-``score`` entries so that ``target`` holds exactly.
+
+    Unstructured: exactly ``num_kept(numel, sparsity)`` entries survive. N:M: exactly ``n`` of
+    every group of ``m`` along the input dimension. Ties are broken by position (deterministic).
+    """
+    if isinstance(target, NM):
+        groups = nm_groups(score, target.m)
+        keep = groups.topk(target.n, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
+        return mask.reshape(score.shape)
+    k = num_kept(score.numel(), float(target))
+    flat = score.reshape(-1)
+    if k == flat.numel():
+        return torch.ones_like(score, dtype=torch.bool)
+    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=score.device)
+    if k:
+        mask[flat.topk(k, sorted=False).indices] = True
+    return mask.reshape(score.shape)
+
+
+def name_seed(seed: int, name: str, step: int = 0) -> int:
+    """A seed that depends only on (seed, parameter name, step): the same on every rank and
+    for every parameter order, and reproducible across resumes."""
+    return zlib.crc32(f"{seed}|{name}|{step}".encode()) ^ (seed & 0xFFFFFFFF)
+
+
+def random_score(like: Tensor, seed: int) -> Tensor:
+    """Uniform random scores shaped like ``like``, from a private generator seeded by ``seed``.
+
+    Drawn on the CPU and moved, so the same seed gives the same scores on every device.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(like.shape, generator=gen).to(like.device)
+
+
+def is_nm(mask: Tensor, target: NM) -> bool:
+    """Whether at most ``n`` of every ``m`` along the input dimension are kept."""
+    return bool((nm_groups(mask, target.m).sum(-1) <= target.n).all())
