@@ -59,7 +59,13 @@ def describe(target: Sparsity) -> str:
     """Human-readable target: ``'2:4'``, ``'70%'`` or ``'dense'``."""
     if isinstance(target, NM):
         return str(target)
-    return "dense" if target == 0 else f"{target:.0%}" if round(target * 100, 6).is_integer() else f"{target:.2%}"
+    return (
+        "dense"
+        if target == 0
+        else f"{target:.0%}"
+        if round(target * 100, 6).is_integer()
+        else f"{target:.2%}"
+    )
 
 
 def nm_groups(tensor: Tensor, m: int) -> Tensor:
@@ -75,7 +81,7 @@ def nm_groups(tensor: Tensor, m: int) -> Tensor:
 
 def num_kept(numel: int, sparsity: float) -> int:
     """How many of ``numel`` weights an unstructured ``sparsity`` keeps (rounded to nearest)."""
-    return numel - int(round(sparsity * numel))
+    return numel - round(sparsity * numel)
 
 
 def topk_mask(score: Tensor, target: Sparsity) -> Tensor:

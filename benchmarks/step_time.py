@@ -1,0 +1,198 @@
+"""Step time and memory of masked sparse training vs dense and Lightning's ModelPruning (CPU).
+
+One process; the variants run interleaved, ``--repeats`` times each, on the same timm ViT
+(img 32, patch 4, dim 192, depth 6, 3 heads) with AdamW through a real ``lightning.Trainer``.
+Reported: the median step time over all timed steps of all repeats, its ratio to the first
+dense run (a second dense run shows the noise floor), and extra live-tensor memory vs dense.
+
+    python benchmarks/step_time.py                 # batch 64 and 4, about 4 minutes on 2 cores
+    python benchmarks/step_time.py --batch-sizes 4 --repeats 2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import timm
+import torch
+from common import live_tensor_bytes, markdown_table, median
+from lightning.pytorch.callbacks import ModelPruning
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_sparse import SparsityCallback
+
+
+class ViTModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = timm.models.vision_transformer.VisionTransformer(
+            img_size=32,
+            patch_size=4,
+            embed_dim=192,
+            depth=6,
+            num_heads=3,
+            num_classes=10,
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.05)
+
+
+class PruningFromFirstStep(ModelPruning):
+    """ModelPruning l1_unstructured 70%, applied before the first step (it normally waits for an
+    epoch end) and never again."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.apply_pruning(0.7)
+
+
+class StepTimer(L.Callback):
+    """Times every step after ``warmup``; at the last step, measures live tensor bytes."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []
+        self.live_bytes = 0
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+        if trainer.global_step == trainer.max_steps:
+            self.live_bytes = live_tensor_bytes()
+
+
+def block_linears(module: ViTModule) -> list[tuple[nn.Module, str]]:
+    return [
+        (m, "weight")
+        for n, m in module.named_modules()
+        if isinstance(m, nn.Linear) and ".blocks." in f".{n}"
+    ]
+
+
+VARIANTS: dict[str, Callable[[ViTModule], list[L.Callback]]] = {
+    "dense": lambda m: [],
+    "dense (again)": lambda m: [],
+    "ModelPruning l1 70%": lambda m: [
+        PruningFromFirstStep(
+            "l1_unstructured",
+            parameters_to_prune=block_linears(m),
+            amount=0.7,
+            apply_pruning=False,
+            verbose=0,
+        )
+    ],
+    "lightning_sparse static 70%": lambda m: [
+        SparsityCallback(sparsity=0.7, verbose=False)
+    ],
+    "lightning_sparse magnitude 70% /100": lambda m: [
+        SparsityCallback(
+            phases=[{"sparsity": 0.7, "algorithm": "magnitude", "update_every": 100}],
+            verbose=False,
+        )
+    ],
+}
+
+
+def run_variant(
+    name: str, batch_size: int, steps: int, warmup: int
+) -> tuple[list[float], int]:
+    """Step times, and the tensor bytes the run added (model, optimizer, data, masks...)."""
+    before = live_tensor_bytes()
+    torch.manual_seed(0)
+    module = ViTModule()
+    timer = StepTimer(warmup)
+    data = TensorDataset(
+        torch.randn(batch_size * 4, 3, 32, 32), torch.randint(0, 10, (batch_size * 4,))
+    )
+    trainer = L.Trainer(
+        max_steps=steps + warmup,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=VARIANTS[name](module) + [timer],
+    )
+    trainer.fit(module, DataLoader(data, batch_size=batch_size))
+    return timer.times, timer.live_bytes - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="timed steps per run (default: 15 at batch>=32, 40 below)",
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    sparse_weights = sum(
+        p.numel() for m, _ in block_linears(ViTModule()) for p in [m.weight]
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {sparse_weights / 1e6:.2f} M sparse weights"
+    )
+    rows = []
+    for batch_size in args.batch_sizes:
+        steps = args.steps or (15 if batch_size >= 32 else 40)
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        memory: dict[str, int] = {}
+        for repeat in range(args.repeats):
+            for name in VARIANTS:
+                t, mem = run_variant(name, batch_size, steps, args.warmup)
+                times[name] += t
+                memory[name] = mem
+                print(
+                    f"  batch {batch_size} repeat {repeat + 1}: {name:<38} {median(t) * 1e3:8.2f} ms",
+                    flush=True,
+                )
+        base = median(times["dense"])
+        for name in VARIANTS:
+            extra = memory[name] - memory["dense"]
+            rows.append(
+                [
+                    str(batch_size),
+                    name,
+                    f"{median(times[name]) * 1e3:.2f}",
+                    f"{median(times[name]) / base:.3f}x",
+                    f"{extra / 2**20:+.2f}",
+                    f"{extra / sparse_weights:+.2f}",
+                ]
+            )
+    print()
+    print(
+        markdown_table(
+            [
+                "batch",
+                "variant",
+                "step ms (median)",
+                "vs dense",
+                "extra MiB",
+                "extra bytes / sparse weight",
+            ],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The algorithm interface: how masks are chosen and when they change.
+
+An algorithm is a pure rule ``(weight, current mask, target, context) -> new mask``. It never
+touches kernels, optimizers or modules: the :class:`~lightning_sparse.sparsifier.Sparsifier`
+applies what it returns. Two families (see ``straight_through``):
+
+- hard masks: pruned weights are stored as zeros, their gradients and optimizer state are masked;
+- straight-through: stored weights stay dense and learn from the dense gradient; every forward
+  uses the masked weight.
+
+Custom algorithms subclass :class:`SparsityAlgorithm`, override :meth:`update_mask` (and set
+``dynamic = True`` so it gets called), and register with :func:`register_algorithm`::
+
+    from lightning_sparse import SparsityAlgorithm, register_algorithm
+
+    @register_algorithm("weight_times_grad")
+    class WeightTimesGrad(SparsityAlgorithm):
+        dynamic = True
+        def update_mask(self, weight, mask, target, ctx):
+            score = (weight * ctx.grad).abs() if ctx.grad is not None else weight.abs()
+            return self.select(score, target)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+from torch import Tensor
+
+from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
+from lightning_sparse.schedule import ResolvedPhase, parse_boundary
+
+
+@dataclass
+class MaskContext:
+    """What an algorithm may look at besides the weight and mask."""
+
+    name: str  #: parameter name (stable across ranks and runs)
+    step: int  #: optimizer step the new mask takes effect at
+    seed: int  #: the phase's seed
+    grad: Tensor | None = (
+        None  #: dense (unmasked, accumulated, unscaled) gradient, if captured
+    )
+
+    def random_score(self, like: Tensor) -> Tensor:
+        """Uniform scores seeded by (seed, name, step): identical on every rank and resume."""
+        return random_score(like, name_seed(self.seed, self.name, self.step))
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """What the schedule knows about the run: used to resolve algorithm boundaries."""
+
+    total_steps: float = math.inf
+    steps_per_epoch: float = math.inf
+
+
+UNKNOWN_RUN = RunLength()
+
+
+class SparsityAlgorithm:
+    """Base class for mask algorithms; one instance per phase.
+
+    Class attributes a subclass may set:
+        straight_through: ``True`` if stored weights stay dense and the forward masks them.
+        dynamic: ``True`` if masks change during the phase (:meth:`update_mask` is called every
+            ``update_every`` steps between ``update_start`` and ``update_stop``).
+        supports_nm: ``False`` if the algorithm cannot produce N:M masks.
+        option_names: the :class:`~lightning_sparse.Phase` fields the algorithm reads; setting any
+            other option in a phase using this algorithm is an error.
+        default_update_every: update period when the phase does not give one.
+        needs_grad: ``True`` if :meth:`update_mask` needs ``ctx.grad`` (the dense gradient).
+        projects: ``True`` if every forward derives the mask from the weight (:meth:`project`);
+            implies ``straight_through``.
+
+    Example:
+        >>> import torch
+        >>> from lightning_sparse.schedule import Phase, resolve_phases
+        >>> from lightning_sparse.algorithms import build_algorithm
+        >>> phase = resolve_phases([Phase(sparsity=0.5)], total_steps=10)[0]
+        >>> algo = build_algorithm(phase)
+        >>> mask = algo.initial_mask(torch.tensor([[1.0, -4.0], [3.0, 0.5]]), algo.target_at(0),
+        ...                          MaskContext("w", 0, 0))
+        >>> mask.tolist()
+        [[False, True], [True, False]]
+    """
+
+    name: ClassVar[str] = ""
+    straight_through: ClassVar[bool] = False
+    dynamic: ClassVar[bool] = False
+    supports_nm: ClassVar[bool] = True
+    needs_grad: ClassVar[bool] = False
+    projects: ClassVar[bool] = False
+    option_names: ClassVar[frozenset[str]] = frozenset({"init", "seed", "distribution"})
+    default_update_every: ClassVar[int] = 100
+    default_update_stop_fraction: ClassVar[float] = 1.0  # of the phase length
+
+    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
+        spec = phase.spec
+        where = f"phases[{phase.index}]"
+        allowed = self.option_names | (
+            {"update_every", "update_start", "update_stop"} if self.dynamic else set()
+        )
+        for option in spec.explicit_options():
+            if option not in allowed:
+                raise ValueError(
+                    f"{where}: option {option!r} does nothing for algorithm {self.name!r}; "
+                    f"it accepts {sorted(allowed)}"
+                )
+        if isinstance(phase.target, NM) and not self.supports_nm:
+            raise ValueError(
+                f"{where}: algorithm {self.name!r} does not support N:M sparsity "
+                f"({phase.target}); use a float sparsity or another algorithm"
+            )
+        if spec.distribution not in (None, "uniform"):
+            raise ValueError(
+                f"{where}: distribution={spec.distribution!r} is not available; use 'uniform'"
+            )
+        self.phase = phase
+        self.seed = spec.seed if spec.seed is not None else 0
+        self.init = spec.init or "topk"
+        self.update_every = spec.update_every or self.default_update_every
+        self.update_start = self._resolve(
+            spec.update_start, phase.start, run, f"{where}.update_start"
+        )
+        default_stop = None
+        if phase.end is not None:
+            length = phase.end - phase.start
+            default_stop = phase.start + round(
+                self.default_update_stop_fraction * length
+            )
+        self.update_stop = self._resolve(
+            spec.update_stop, default_stop, run, f"{where}.update_stop"
+        )
+        if (
+            self.dynamic
+            and self.update_stop is not None
+            and self.update_stop < self.update_start
+        ):
+            raise ValueError(
+                f"{where}: update_stop (step {self.update_stop}) is before update_start "
+                f"(step {self.update_start})"
+            )
+
+    @staticmethod
+    def _resolve(
+        value: object, default: int | None, run: RunLength, where: str
+    ) -> int | None:
+        if value is None:
+            return default
+        return parse_boundary(value, where).resolve(
+            run.total_steps, run.steps_per_epoch, where
+        )
+
+    # -- schedule ---------------------------------------------------------------------------
+    def target_at(self, step: int) -> Sparsity:
+        """The target the masks should meet at ``step`` (ramping algorithms override this)."""
+        return self.phase.target
+
+    def is_update_step(self, step: int) -> bool:
+        """Whether :meth:`update_mask` runs at ``step`` (never at the phase's first step)."""
+        if not self.dynamic or step <= self.phase.start or step < self.update_start:
+            return False
+        if self.update_stop is not None and step > self.update_stop:
+            return False
+        return (
+            step - self.update_start
+        ) % self.update_every == 0 or step == self.update_stop
+
+    # -- masks ------------------------------------------------------------------------------
+    def select(self, score: Tensor, target: Sparsity) -> Tensor:
+        """Keep the highest-scoring weights so that ``target`` holds exactly."""
+        return topk_mask(score, target)
+
+    def initial_mask(
+        self, weight: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor:
+        """The mask at phase start: largest magnitude (``init='topk'``) or seeded random."""
+        score = (
+            ctx.random_score(weight) if self.init == "random" else weight.detach().abs()
+        )
+        return self.select(score, target)
+
+    def update_mask(
+        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor:
+        """The mask after an update step; the base class keeps the current mask."""
+        return mask
+
+    def project(self, weight: Tensor) -> Tensor:
+        """The mask derived from ``weight`` at every forward (only when ``projects`` is set)."""
+        raise NotImplementedError(
+            f"algorithm {self.name!r} does not project masks per forward"
+        )
+
+
+_REGISTRY: dict[str, type[SparsityAlgorithm]] = {}
+_A = TypeVar("_A", bound=type[SparsityAlgorithm])
+
+
+def register_algorithm(name: str) -> Callable[[_A], _A]:
+    """Class decorator: make a :class:`SparsityAlgorithm` usable as ``algorithm: <name>``."""
+
+    def decorator(cls: _A) -> _A:
+        if not (isinstance(cls, type) and issubclass(cls, SparsityAlgorithm)):
+            raise TypeError(
+                f"@register_algorithm({name!r}) decorates a SparsityAlgorithm subclass, not {cls!r}"
+            )
+        existing = _REGISTRY.get(name)
+        if (
+            existing is not None
+            and existing is not cls
+            and existing.__qualname__ != cls.__qualname__
+        ):
+            raise ValueError(
+                f"algorithm name {name!r} is already registered by {existing.__qualname__}"
+            )
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def algorithm_class(name: str, where: str = "algorithm") -> type[SparsityAlgorithm]:
+    """Look up a registered algorithm; the error lists the known names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"{where}={name!r} is not a registered algorithm; known: {sorted(_REGISTRY)} "
+            f"(register your own with @lightning_sparse.register_algorithm)"
+        ) from None
+
+
+def registered_algorithms() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,83 @@
+"""``gmp``: gradual magnitude pruning (Zhu & Gupta, 2017) with a cubic, linear or cosine ramp."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.algorithms.base import (
+    UNKNOWN_RUN,
+    MaskContext,
+    RunLength,
+    SparsityAlgorithm,
+    register_algorithm,
+)
+from lightning_sparse.masks import Sparsity
+from lightning_sparse.schedule import ResolvedPhase, parse_sparsity
+
+RAMPS = {
+    "cubic": lambda x: 1.0 - (1.0 - x) ** 3,
+    "linear": lambda x: x,
+    "cosine": lambda x: 0.5 * (1.0 - math.cos(math.pi * x)),
+}
+
+
+@register_algorithm("gmp")
+class GradualMagnitudePruning(SparsityAlgorithm):
+    """Hard mask whose sparsity ramps from ``initial_sparsity`` (default 0) to the phase target.
+
+    The ramp runs from ``update_start`` (default: phase start) to ``update_stop`` (default: 75%
+    of the way through the phase), pruning the smallest surviving weights every ``update_every``
+    steps; pruned weights never come back. ``ramp`` is ``"cubic"`` (default), ``"linear"`` or
+    ``"cosine"``.
+
+    Example:
+        >>> from lightning_sparse.schedule import Phase, resolve_phases
+        >>> phase = resolve_phases([Phase(sparsity=0.8, algorithm="gmp", update_every=10)], 100)[0]
+        >>> algo = GradualMagnitudePruning(phase)
+        >>> [round(algo.target_at(s), 3) for s in (0, 10, 75, 99)]
+        [0.0, 0.279, 0.8, 0.8]
+    """
+
+    dynamic = True
+    supports_nm = False
+    option_names = SparsityAlgorithm.option_names | {"ramp", "initial_sparsity"}
+    default_update_stop_fraction = 0.75
+
+    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
+        super().__init__(phase, run)
+        where = f"phases[{phase.index}]"
+        spec = phase.spec
+        self.ramp = spec.ramp or "cubic"
+        if self.ramp not in RAMPS:
+            raise ValueError(f"{where}: ramp={self.ramp!r}; use one of {sorted(RAMPS)}")
+        initial = spec.initial_sparsity if spec.initial_sparsity is not None else 0.0
+        self.initial = float(parse_sparsity(initial, f"{where}.initial_sparsity"))
+        if self.initial >= float(phase.target):
+            raise ValueError(
+                f"{where}: initial_sparsity={self.initial} must be below the target "
+                f"sparsity={phase.target} (gmp ramps up to it)"
+            )
+        if self.update_stop is None:
+            raise ValueError(
+                f"{where}: the phase has no known end, so gmp cannot place its ramp: set "
+                f"update_stop (e.g. '5000 steps') or give the trainer max_steps/max_epochs"
+            )
+
+    def target_at(self, step: int) -> Sparsity:
+        start, stop = self.update_start, self.update_stop
+        if step <= start or stop == start:
+            return self.initial if step < stop else float(self.phase.target)
+        progress = min(1.0, (step - start) / (stop - start))
+        return self.initial + (float(self.phase.target) - self.initial) * RAMPS[
+            self.ramp
+        ](progress)
+
+    def update_mask(
+        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor:
+        # Pruned weights score -1 so the new mask is a subset of the old one.
+        score = torch.where(mask, weight.detach().abs(), torch.full_like(weight, -1.0))
+        return self.select(score, target)

@@ -1,0 +1,265 @@
+"""``SparsityCallback``: weight sparsity on a phase schedule, as one Lightning callback."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_sparse.algorithms import RunLength
+from lightning_sparse.backends import validate_backend
+from lightning_sparse.report import plan_table, summary
+from lightning_sparse.schedule import Phase, resolve_phases, validate_phase_list
+from lightning_sparse.selection import Selection, compile_patterns, select_parameters
+from lightning_sparse.sparsifier import PhaseChange, Sparsifier
+
+
+class SparsityCallback(Callback):
+    """Train with weight sparsity on a schedule of phases.
+
+    Args:
+        sparsity: shorthand for one phase over the whole run: a float in [0, 1) or ``"N:M"``.
+        phases: a list of phases (dicts as in YAML, or :class:`~lightning_sparse.Phase`), e.g.
+            ``[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}]``. Give ``sparsity`` or
+            ``phases``, not both.
+        params: glob patterns (or ``re:`` regexes) of parameter names to sparsify. Default: every
+            Linear/Conv weight except embeddings, norms, the output head and tied weights.
+        exclude: patterns of parameters to leave dense.
+        backend: ``"auto"`` (the fastest the hardware allows, per layer), ``"masked"`` (dense
+            math on masked weights, any device) or ``"semi_structured"`` (2:4 sparse tensor cores).
+        name: the group's name; it keys the logs and the checkpoint state (``state_key``), so
+            several callbacks (groups) need distinct names (Lightning refuses two callbacks with
+            one ``state_key`` when the Trainer is built) and disjoint parameters.
+        log_every_n_steps: how often target/actual sparsity go to the loggers (default: the
+            trainer's ``log_every_n_steps``).
+        verbose: print the plan table at fit start and a summary at the end.
+
+    Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
+    Masks, the phase and the last update step are saved in checkpoints and restored on
+    ``fit(ckpt_path=...)``; the model's own ``state_dict`` keys never change.
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> from lightning_sparse import SparsityCallback
+        >>> cb = SparsityCallback(phases=[{"sparsity": 0.5, "until": 0.5}, {"sparsity": 0.0}], verbose=False)
+        >>> trainer = L.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_checkpointing=False,
+        ...                     enable_progress_bar=False, enable_model_summary=False)
+        >>> trainer.fit(BoringModel())  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        sparsity: float | str | None = None,
+        phases: Sequence[dict[str, Any] | Phase] | None = None,
+        params: Sequence[str] | str | None = None,
+        exclude: Sequence[str] | str | None = None,
+        backend: str = "auto",
+        name: str = "sparsity",
+        log_every_n_steps: int | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if (sparsity is None) == (phases is None):
+            raise ValueError(
+                "SparsityCallback needs exactly one of sparsity= (one phase for the whole run, "
+                "e.g. sparsity=0.7) or phases= (e.g. phases=[{'sparsity': '2:4', 'until': 0.7}, "
+                f"{{'sparsity': 0.0}}]); got sparsity={sparsity!r}, phases={phases!r}"
+            )
+        if phases is None:
+            phases = [{"sparsity": sparsity}]
+        if isinstance(phases, (dict, Phase, str)):
+            raise TypeError(
+                f"phases={phases!r}: give a list of phases, e.g. [{{'sparsity': 0.7}}]"
+            )
+        self.phases = [Phase.from_any(p, f"phases[{i}]") for i, p in enumerate(phases)]
+        validate_phase_list(self.phases)
+        compile_patterns(params, "params")
+        compile_patterns(exclude, "exclude")
+        self.params = params
+        self.exclude = exclude
+        self.backend = validate_backend(backend)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name={name!r}: give the group a non-empty string name")
+        self.name = name
+        if log_every_n_steps is not None and (
+            not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"log_every_n_steps={log_every_n_steps!r}: use a positive integer"
+            )
+        self.log_every_n_steps = log_every_n_steps
+        self.verbose = verbose
+        self.sparsifier: Sparsifier | None = None
+        self.selection: Selection | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._active = False
+        self._last_logged_step = -1
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.name)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str
+    ) -> None:
+        if stage != "fit":
+            return
+        if self.sparsifier is not None:
+            self.sparsifier.close()
+        self.sparsifier = None
+        self.selection = None
+        self._active = False
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        selection = select_parameters(pl_module, self.params, self.exclude)
+        self._check_disjoint(trainer, selection)
+        total = float(trainer.estimated_stepping_batches)
+        batches = float(trainer.num_training_batches)
+        steps_per_epoch = (
+            math.ceil(batches / trainer.accumulate_grad_batches)
+            if math.isfinite(batches)
+            else math.inf
+        )
+        run = RunLength(total, steps_per_epoch)
+        resolved = resolve_phases(self.phases, total, steps_per_epoch)
+        self.sparsifier = Sparsifier(
+            self.name,
+            selection.targets,
+            resolved,
+            run,
+            self.backend,
+            log=rank_zero_info,
+        )
+        self.selection = selection
+        if self.verbose:
+            rank_zero_info(plan_table(self.sparsifier, selection))
+
+    def _check_disjoint(self, trainer: pl.Trainer, selection: Selection) -> None:
+        mine = {id(t.param): t.name for t in selection.targets}
+        for other in trainer.callbacks:
+            if (
+                other is self
+                or not isinstance(other, SparsityCallback)
+                or other.selection is None
+            ):
+                continue
+            for t in other.selection.targets:
+                if id(t.param) in mine:
+                    raise ValueError(
+                        f"parameter {t.name!r} is claimed by SparsityCallback {other.name!r} and "
+                        f"SparsityCallback {self.name!r}: give the callbacks disjoint params/exclude "
+                        f"patterns (each parameter belongs to one group)"
+                    )
+
+    def _activate(self, trainer: pl.Trainer) -> None:
+        """Apply masks once everything is restored (before the first forward of the fit)."""
+        if self._active or self.sparsifier is None:
+            return
+        self._active = True
+        if self._pending_state is not None:
+            self.sparsifier.load_state_dict(self._pending_state, trainer.optimizers)
+            self._pending_state = None
+        else:
+            change = self.sparsifier.on_step_start(
+                trainer.global_step, trainer.optimizers
+            )
+            self._report_change(trainer, change)
+
+    def on_sanity_check_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> None:
+        self._activate(trainer)
+
+    def on_train_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> None:
+        self._activate(trainer)
+
+    # -- training -------------------------------------------------------------------------------
+    def on_train_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        assert self.sparsifier is not None
+        change = self.sparsifier.on_step_start(trainer.global_step, trainer.optimizers)
+        self._report_change(trainer, change)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        assert self.sparsifier is not None
+        self.sparsifier.before_optimizer_step(
+            trainer.global_step, optimizer, trainer.optimizers
+        )
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        assert self.sparsifier is not None
+        pl_module.log(
+            f"{self.name}_phase",
+            float(_phase_number(self.sparsifier)),
+            prog_bar=True,
+            logger=False,
+            on_step=True,
+            on_epoch=False,
+        )
+        step = trainer.global_step
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if step != self._last_logged_step and step % every == 0:
+            self._log_sparsity(trainer, step)
+
+    def _log_sparsity(self, trainer: pl.Trainer, step: int) -> None:
+        assert self.sparsifier is not None
+        self._last_logged_step = step
+        metrics = {
+            f"sparsity/{self.name}/target": self.sparsifier.target_sparsity(step),
+            f"sparsity/{self.name}/actual": self.sparsifier.actual_sparsity(),
+            f"sparsity/{self.name}/phase": float(_phase_number(self.sparsifier)),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _report_change(self, trainer: pl.Trainer, change: PhaseChange | None) -> None:
+        if change is None:
+            return
+        new = change.new
+        what = "dense" if new is None else new.spec.describe()
+        where = (
+            "after the last phase"
+            if new is None
+            else f"phase {new.index + 1}/{len(self.phases)}"
+        )
+        rank_zero_info(f"[{self.name}] step {change.step}: {where} begins: {what}")
+        self._log_sparsity(trainer, change.step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sparsifier is not None and self.verbose:
+            rank_zero_info(summary(self.sparsifier, trainer.global_step))
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.sparsifier is None or not self._active:
+            return dict(self._pending_state or {})
+        return self.sparsifier.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_state = dict(state_dict)
+        self._active = False
+
+
+def _phase_number(sparsifier: Sparsifier) -> int:
+    return 0 if sparsifier.current is None else sparsifier.current.index + 1

@@ -1,0 +1,40 @@
+"""Masking optimizer state: keeps momentum/moments of pruned weights at exactly zero.
+
+Works for any ``torch.optim`` optimizer: every per-parameter state tensor with the parameter's
+shape (SGD ``momentum_buffer``, Adam/AdamW ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``,
+RMSprop, Adagrad, ...) is zeroed where asked; scalars such as ``step`` are left alone.
+
+Example:
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.ones(2, 2))
+    >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    >>> p.grad = torch.ones(2, 2); opt.step()
+    >>> zero_optimizer_state([opt], p, torch.tensor([[True, False], [False, False]]))
+    >>> opt.state[p]["momentum_buffer"].tolist()
+    [[0.0, 1.0], [1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()
+def zero_optimizer_state(
+    optimizers: Iterable[torch.optim.Optimizer], param: Tensor, where: Tensor
+) -> None:
+    """Set every shape-matching state tensor of ``param`` to zero at the ``True`` entries of ``where``."""
+    for optimizer in optimizers:
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        for value in state.values():
+            if (
+                isinstance(value, Tensor)
+                and value.shape == param.shape
+                and value.is_floating_point()
+            ):
+                value.masked_fill_(where, 0)

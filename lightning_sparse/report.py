@@ -1,0 +1,81 @@
+"""Human-readable reports: the fit-start plan table and the fit-end summary."""
+
+from __future__ import annotations
+
+from lightning_sparse.masks import describe
+from lightning_sparse.selection import Selection
+from lightning_sparse.sparsifier import Sparsifier
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
+    """Each selected parameter, its shape, sparsity per phase, backend and why; then exclusions."""
+    sp = sparsifier
+    lines = [
+        f"SparsityCallback '{sp.name}': {len(sp.targets)} parameters, {len(sp.phases)} phase(s)"
+    ]
+    for phase in sp.phases:
+        lines.append(
+            f"  phase {phase.index + 1}: {phase.span():<18} {phase.spec.describe()}"
+        )
+    header = (
+        ["parameter", "shape"]
+        + [f"phase {p.index + 1}" for p in sp.phases]
+        + ["backend", "why"]
+    )
+    rows = [header]
+    for t in sp.targets:
+        cells = [t.name, "x".join(map(str, t.param.shape))]
+        choices = []
+        for phase in sp.phases:
+            if phase.spec.is_dense:
+                cells.append("dense")
+                continue
+            cells.append(f"{describe(phase.target)} {phase.spec.algorithm}")
+            choices.append(sp.backends[phase.index, t.name])
+        names = sorted({c.name for c in choices}) or ["-"]
+        reasons = sorted({c.reason for c in choices}) or ["dense in every phase"]
+        rows.append(cells + ["/".join(names), "; ".join(reasons)])
+    lines += ["  " + line for line in _table(rows)]
+    if selection.excluded:
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in selection.excluded.items():
+            by_reason.setdefault(reason, []).append(name)
+        lines.append("  left dense:")
+        for reason, names in by_reason.items():
+            shown = ", ".join(names[:4]) + (
+                f" (+{len(names) - 4} more)" if len(names) > 4 else ""
+            )
+            lines.append(f"    {reason}: {shown}")
+    return "\n".join(lines)
+
+
+def summary(sparsifier: Sparsifier, final_step: int) -> str:
+    """Phases that ran with their step ranges, and the final sparsity of the group."""
+    sp = sparsifier
+    lines = [f"SparsityCallback '{sp.name}' summary"]
+    entries = [(step, index) for step, index in sp.history]
+    for i, (step, index) in enumerate(entries):
+        end = entries[i + 1][0] if i + 1 < len(entries) else final_step
+        if end <= step and i + 1 < len(entries):
+            continue
+        label = (
+            "dense"
+            if index is None
+            else f"phase {index + 1}: {sp.phases[index].spec.describe()}"
+        )
+        lines.append(f"  steps {step}-{max(step, end - 1)}: {label}")
+    lines.append(
+        f"  final sparsity: {sp.actual_sparsity():.1%} over {len(sp.targets)} parameters "
+        f"(target now {sp.target_sparsity(final_step):.1%})"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,349 @@
+"""Phases and their boundaries: parsing, eager validation and resolution to optimizer steps.
+
+Pure Python: nothing here touches a model or a trainer. A :class:`Phase` is what a user writes
+(YAML scalars); :func:`resolve_phases` turns a list of them into :class:`ResolvedPhase` objects
+with half-open step ranges ``[start, end)`` counted in optimizer steps.
+
+Example:
+    >>> from lightning_sparse.schedule import Phase, resolve_phases
+    >>> phases = [Phase(sparsity="2:4", until=0.7), Phase(sparsity=0.0)]
+    >>> [(p.start, p.end, str(p.target)) for p in resolve_phases(phases, total_steps=1000)]
+    [(0, 700, '2:4'), (700, 1000, '0.0')]
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+from lightning_sparse.masks import NM, Sparsity, describe
+
+_NM_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+_BOUNDARY_RE = re.compile(
+    r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>%|steps?|epochs?|ep|)\s*$",
+    re.IGNORECASE,
+)
+_BOUNDARY_FORMS = (
+    "a fraction of the run in (0, 1] such as 0.7, a percentage such as '70%', "
+    "epochs such as '3 epochs' or '3ep', or optimizer steps such as '1500 steps' or 1500"
+)
+
+
+def parse_sparsity(value: Any, where: str = "sparsity") -> Sparsity:
+    """Parse a sparsity value: a float in [0, 1) or an ``"N:M"`` string.
+
+    >>> parse_sparsity("2:4"), parse_sparsity(0.7)
+    (NM(n=2, m=4), 0.7)
+    """
+    if isinstance(value, NM):
+        return value
+    if isinstance(value, str):
+        match = _NM_RE.match(value)
+        if match is None:
+            raise ValueError(
+                f"{where}={value!r} is not a sparsity: use a float in [0, 1) such as 0.7 "
+                f"(fraction of weights pruned) or an 'N:M' pattern such as '2:4'"
+            )
+        try:
+            return NM(int(match.group(1)), int(match.group(2)))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{where}={value!r} has type {type(value).__name__}: use a float in [0, 1) "
+            f"or an 'N:M' string such as '2:4'"
+        )
+    if not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{where}={value!r} is outside [0, 1): it is the fraction of weights pruned, "
+            f"so use e.g. 0.7 for 70% zeros, 0.0 for dense, or an 'N:M' pattern such as '2:4'"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Where something ends: ``kind`` is ``"fraction"``, ``"epochs"`` or ``"steps"``."""
+
+    kind: Literal["fraction", "epochs", "steps"]
+    value: float
+    raw: int | float | str  #: as the user wrote it (for messages)
+
+    def resolve(self, total_steps: float, steps_per_epoch: float, where: str) -> int:
+        """The optimizer step this boundary names (an exclusive end)."""
+        if self.kind == "steps":
+            return int(self.value)
+        if self.kind == "fraction":
+            if not math.isfinite(total_steps):
+                raise ValueError(
+                    f"{where}={self.raw!r} is a fraction of the run, but the trainer does not know "
+                    f"the run length: set Trainer(max_steps=...) or Trainer(max_epochs=...) with a "
+                    f"sized train dataloader, or give the boundary in steps ('1500 steps')"
+                )
+            return round(self.value * total_steps)
+        if not math.isfinite(steps_per_epoch):
+            raise ValueError(
+                f"{where}={self.raw!r} counts epochs, but the train dataloader has no length, so "
+                f"an epoch has no known number of steps: give the boundary in steps ('1500 steps') "
+                f"or set Trainer(limit_train_batches=<int>)"
+            )
+        return round(self.value * steps_per_epoch)
+
+
+def parse_boundary(value: Any, where: str = "until") -> Boundary:
+    """Parse a boundary: float fraction, ``"70%"``, ``"3 epochs"``/``"3ep"``, ``"1500 steps"``, int.
+
+    >>> parse_boundary("3ep"), parse_boundary(0.7).kind, parse_boundary(1500).kind
+    (Boundary(kind='epochs', value=3.0, raw='3ep'), 'fraction', 'steps')
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
+            f"{where}={value!r} has type {type(value).__name__}: use {_BOUNDARY_FORMS}"
+        )
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(
+                f"{where}={value!r}: a step boundary must be a positive integer"
+            )
+        return Boundary("steps", float(value), value)
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            hint = (
+                f" (for a step count write {int(value)} or '{int(value)} steps')"
+                if value > 1
+                else ""
+            )
+            raise ValueError(
+                f"{where}={value!r}: a float boundary is a fraction of the run and must be in "
+                f"(0, 1]{hint}"
+            )
+        return Boundary("fraction", value, value)
+    match = _BOUNDARY_RE.match(value)
+    if match is None:
+        raise ValueError(f"{where}={value!r} is not a boundary: use {_BOUNDARY_FORMS}")
+    num, unit = float(match.group("num")), match.group("unit").lower()
+    if unit == "%":
+        if not 0.0 < num <= 100.0:
+            raise ValueError(
+                f"{where}={value!r}: a percentage boundary must be in (0%, 100%]"
+            )
+        return Boundary("fraction", num / 100.0, value)
+    if unit in ("epoch", "epochs", "ep"):
+        if num <= 0:
+            raise ValueError(f"{where}={value!r}: an epoch boundary must be positive")
+        return Boundary("epochs", num, value)
+    if not num.is_integer() or num <= 0:
+        raise ValueError(
+            f"{where}={value!r}: a step boundary must be a positive whole number"
+        )
+    return Boundary("steps", num, value)
+
+
+@dataclass
+class Phase:
+    """One span of training with one sparsity setting (all fields are YAML scalars).
+
+    Args:
+        sparsity: fraction of weights pruned in [0, 1) (unstructured) or ``"N:M"``. ``0.0`` = dense.
+        until: where the phase ends: fraction of the run (0.7), ``"70%"``, ``"3 epochs"``,
+            ``"1500 steps"`` or an int optimizer step. Only the last phase may leave it out.
+        algorithm: mask rule (``"static"``, ``"magnitude"``, ``"gmp"``, a registered name).
+            Default: ``"static"`` for a float sparsity, ``"runtime"`` for N:M when available.
+        init: how the first mask is chosen: ``"topk"`` (largest magnitude) or ``"random"``.
+        seed: seed for random choices; derived per parameter name, so identical on every rank.
+        update_every: optimizer steps between mask updates (dynamic algorithms).
+        update_start: where updates start (same forms as ``until``); default: phase start.
+        update_stop: where updates stop (same forms as ``until``); default: algorithm-specific.
+        drop_fraction: fraction of active weights swapped per update (dynamic sparse training).
+        drop_fraction_decay: ``"cosine"``, ``"linear"`` or ``"constant"``.
+        ramp: sparsity ramp of ``gmp``: ``"cubic"``, ``"linear"`` or ``"cosine"``.
+        initial_sparsity: where the ``gmp`` ramp starts.
+        distribution: how the target spreads over layers: ``"uniform"`` (or others when registered).
+        options: extra options for a custom algorithm.
+
+    Example:
+        >>> Phase(sparsity=0.7, until="3 epochs", algorithm="gmp").algorithm
+        'gmp'
+        >>> Phase.from_any({"sparsity": "2:4", "until": 0.7}).target
+        NM(n=2, m=4)
+    """
+
+    sparsity: float | str = 0.0
+    until: int | float | str | None = None
+    algorithm: str | None = None
+    init: str | None = None
+    seed: int | None = None
+    update_every: int | None = None
+    update_start: int | float | str | None = None
+    update_stop: int | float | str | None = None
+    drop_fraction: float | None = None
+    drop_fraction_decay: str | None = None
+    ramp: str | None = None
+    initial_sparsity: float | None = None
+    distribution: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.target: Sparsity = parse_sparsity(self.sparsity)
+        self.end = None if self.until is None else parse_boundary(self.until)
+        if self.init not in (None, "topk", "random"):
+            raise ValueError(
+                f"init={self.init!r}: use 'topk' (largest magnitude) or 'random'"
+            )
+        for name in ("update_every",):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"{name}={value!r}: use a positive integer number of optimizer steps"
+                )
+        for name in ("update_start", "update_stop"):
+            if getattr(self, name) is not None:
+                parse_boundary(getattr(self, name), name)
+        if self.is_dense:
+            given = sorted(self.explicit_options()) + (
+                ["algorithm"] if self.algorithm else []
+            )
+            if given:
+                raise ValueError(
+                    f"sparsity=0.0 makes this phase dense, so {given} would do nothing: remove "
+                    f"them or give the phase a sparsity"
+                )
+        elif self.algorithm is None:
+            self.algorithm = "runtime" if isinstance(self.target, NM) else "static"
+        elif not isinstance(self.algorithm, str):
+            raise TypeError(
+                f"algorithm={self.algorithm!r}: use the name of a registered algorithm"
+            )
+
+    @property
+    def is_dense(self) -> bool:
+        return self.target == 0.0
+
+    @classmethod
+    def from_any(cls, value: Phase | dict[str, Any], where: str = "phases[0]") -> Phase:
+        """Build a phase from a ``Phase`` or a dict (as written in YAML); errors name ``where``."""
+        if isinstance(value, Phase):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(
+                f"{where}={value!r}: a phase is a dict such as {{'sparsity': '2:4', 'until': 0.7}} "
+                f"or a lightning_sparse.Phase"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key(s) {unknown}; a phase accepts {sorted(known)} "
+                f"(options of a custom algorithm go under 'options')"
+            )
+        try:
+            return cls(**value)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{where}: {err}") from None
+
+    def explicit_options(self) -> dict[str, Any]:
+        """The algorithm options the user set (fields other than sparsity/until/algorithm)."""
+        skip = {"sparsity", "until", "algorithm", "options"}
+        return {
+            k: v for k, v in asdict(self).items() if k not in skip and v is not None
+        }
+
+    def describe(self) -> str:
+        """Short text such as ``'2:4 runtime'`` or ``'70% static'``."""
+        return "dense" if self.is_dense else f"{describe(self.target)} {self.algorithm}"
+
+
+@dataclass
+class ResolvedPhase:
+    """A phase placed on the step axis: active for optimizer steps in ``[start, end)``."""
+
+    index: int
+    spec: Phase
+    start: int
+    end: int | None  # None: runs to the end of training (or forever if unknown)
+
+    @property
+    def target(self) -> Sparsity:
+        return self.spec.target
+
+    def contains(self, step: int) -> bool:
+        return self.start <= step and (self.end is None or step < self.end)
+
+    def span(self) -> str:
+        """``'steps 0-699'`` (inclusive) or ``'steps 700-end'``."""
+        last = "end" if self.end is None else str(self.end - 1)
+        return f"steps {self.start}-{last}"
+
+
+def validate_phase_list(phases: list[Phase]) -> None:
+    """Checks that need no trainer: open-ended phases last, same-kind boundaries increasing."""
+    if not phases:
+        raise ValueError("phases=[]: give at least one phase, e.g. [{'sparsity': 0.7}]")
+    for i, phase in enumerate(phases[:-1]):
+        if phase.end is None:
+            raise ValueError(
+                f"phases[{i}] has no 'until', so it runs to the end of training and "
+                f"phases[{i + 1}] would never start: give phases[{i}] an 'until' "
+                f"(e.g. until: 0.7) or remove the phases after it"
+            )
+    for i in range(1, len(phases)):
+        prev, cur = phases[i - 1].end, phases[i].end
+        if (
+            prev is not None
+            and cur is not None
+            and prev.kind == cur.kind
+            and cur.value <= prev.value
+        ):
+            raise ValueError(
+                f"phase boundaries must increase: phases[{i}].until={cur.raw!r} is not after "
+                f"phases[{i - 1}].until={prev.raw!r}"
+            )
+
+
+def resolve_phases(
+    phases: list[Phase],
+    total_steps: float = math.inf,
+    steps_per_epoch: float = math.inf,
+) -> list[ResolvedPhase]:
+    """Place phases on the optimizer-step axis, checking that every phase is non-empty.
+
+    ``total_steps`` is the run length in optimizer steps (``inf`` if unknown); the last phase
+    without ``until`` ends there.
+    """
+    validate_phase_list(phases)
+    resolved: list[ResolvedPhase] = []
+    start = 0
+    for i, phase in enumerate(phases):
+        where = f"phases[{i}].until"
+        if phase.end is None:
+            end = None if not math.isfinite(total_steps) else int(total_steps)
+        else:
+            end = phase.end.resolve(total_steps, steps_per_epoch, where)
+        if end is not None and end <= start:
+            if phase.end is None:
+                raise ValueError(
+                    f"phases[{i}] (the last, open-ended phase) would be empty: the run has "
+                    f"{end} optimizer steps and the phases before it end at step {start}: make the "
+                    f"run longer (max_steps/max_epochs), end earlier phases sooner, or remove it"
+                )
+            raise ValueError(
+                f"{where}={phase.until!r} resolves to optimizer step {end}, but the phase starts "
+                f"at step {start}, so it would be empty (run length: {total_steps:g} steps): move "
+                f"the boundary later or remove the phase"
+            )
+        resolved.append(ResolvedPhase(i, phase, start, end))
+        start = end if end is not None else start
+    return resolved
+
+
+def phase_at(resolved: list[ResolvedPhase], step: int) -> ResolvedPhase | None:
+    """The phase active at optimizer ``step``; ``None`` after the last bounded phase ends
+    (training then continues dense)."""
+    for phase in resolved:
+        if phase.contains(step):
+            return phase
+    return None

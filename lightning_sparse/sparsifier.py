@@ -1,0 +1,377 @@
+"""The sparsity engine for one parameter group, independent of Lightning.
+
+A :class:`Sparsifier` owns the selected parameters and their masks, enters and leaves phases,
+runs an algorithm's mask updates, masks gradients and optimizer state for hard-mask phases, and
+saves/restores its state. :class:`~lightning_sparse.SparsityCallback` drives it from Lightning
+hooks; a plain PyTorch loop can drive it directly.
+
+Example (plain PyTorch):
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_sparse.schedule import Phase, resolve_phases
+    >>> from lightning_sparse.selection import select_parameters
+    >>> from lightning_sparse.sparsifier import Sparsifier
+    >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    >>> phases = resolve_phases([Phase(sparsity=0.5, until=5), Phase(sparsity=0.0)], total_steps=10)
+    >>> sp = Sparsifier("demo", select_parameters(net).targets, phases)
+    >>> for step in range(10):
+    ...     _ = sp.on_step_start(step, [opt])
+    ...     net(torch.randn(4, 8)).sum().backward()
+    ...     _ = sp.before_optimizer_step(step, opt, [opt])
+    ...     opt.step(); opt.zero_grad()
+    ...     if step == 4: print((net[0].weight == 0).float().mean().item())
+    0.5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.algorithms import (
+    UNKNOWN_RUN,
+    MaskContext,
+    RunLength,
+    SparsityAlgorithm,
+    build_algorithm,
+)
+from lightning_sparse.backends import BackendChoice, choose_backend
+from lightning_sparse.backends.masked import (
+    install_masked_forward,
+    straight_through_unsupported,
+    uninstall_forward,
+)
+from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
+from lightning_sparse.optim_state import zero_optimizer_state
+from lightning_sparse.schedule import ResolvedPhase, phase_at
+from lightning_sparse.selection import ParamTarget
+
+STATE_VERSION = 1
+
+
+@dataclass
+class PhaseChange:
+    """What happened at a phase boundary (for logging)."""
+
+    step: int
+    old: ResolvedPhase | None
+    new: ResolvedPhase | None
+
+
+class Sparsifier:
+    """Masks for one group of parameters over a phase schedule.
+
+    Args:
+        name: group name (used in messages and logs).
+        targets: the parameters to sparsify (see :func:`~lightning_sparse.selection.select_parameters`).
+        phases: the resolved schedule.
+        run: run length, used by algorithms to place update windows.
+        backend: ``"auto"`` or ``"masked"`` (see :mod:`lightning_sparse.backends`).
+        log: called with a message whenever the group changes phase or skips an update.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        targets: Sequence[ParamTarget],
+        phases: Sequence[ResolvedPhase],
+        run: RunLength = UNKNOWN_RUN,
+        backend: str = "auto",
+        log: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.name = name
+        self.targets = list(targets)
+        self.phases = list(phases)
+        self.log = log
+        self.algorithms: dict[int, SparsityAlgorithm] = {
+            p.index: build_algorithm(p, run) for p in self.phases if not p.spec.is_dense
+        }
+        self.backends: dict[tuple[int, str], BackendChoice] = {}
+        for phase in self.phases:
+            if phase.index in self.algorithms:
+                self._check_phase(phase, self.algorithms[phase.index])
+                for t in self.targets:
+                    self.backends[phase.index, t.name] = choose_backend(
+                        backend, phase.target
+                    )
+        self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
+        self.masks: dict[str, Tensor] = {}
+        self.last_update_step = -1
+        self.history: list[
+            tuple[int, int | None]
+        ] = []  # (step entered, phase index or None)
+        self._grad_lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+
+    # -- validation ---------------------------------------------------------------------------
+    def _check_phase(self, phase: ResolvedPhase, algorithm: SparsityAlgorithm) -> None:
+        where = f"phases[{phase.index}]"
+        for t in self.targets:
+            if isinstance(phase.target, NM):
+                try:
+                    nm_groups(t.param.detach(), phase.target.m)
+                except ValueError as err:
+                    raise ValueError(
+                        f"{where}: sparsity '{phase.target}' is impossible for parameter {t.name!r}: "
+                        f"{err}; exclude it (exclude=[{t.name!r}]) or use a float sparsity"
+                    ) from None
+            if algorithm.straight_through:
+                for module_name, module, attr in t.owners:
+                    reason = straight_through_unsupported(module, attr)
+                    if reason is None and len(t.owners) > 1:
+                        reason = "it is shared by several modules (tied weights)"
+                    if reason is not None:
+                        raise ValueError(
+                            f"{where}: algorithm {algorithm.name!r} masks the forward of each "
+                            f"layer, but parameter {t.name!r} ({module_name or 'model'}) cannot: "
+                            f"{reason}; use a hard-mask algorithm ('static', 'gmp') or exclude it"
+                        )
+
+    # -- phases ---------------------------------------------------------------------------------
+    @property
+    def algorithm(self) -> SparsityAlgorithm | None:
+        """The current phase's algorithm; ``None`` when dense."""
+        return None if self.current is None else self.algorithms.get(self.current.index)
+
+    def on_step_start(
+        self, step: int, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> PhaseChange | None:
+        """Call before the first forward of optimizer step ``step``; enters a new phase if due."""
+        new = phase_at(self.phases, step)
+        if _index(new) == _index(self.current) and self.history:
+            return None
+        old = self.current
+        self.enter(new, step, optimizers)
+        return PhaseChange(step, old, new)
+
+    def enter(
+        self,
+        phase: ResolvedPhase | None,
+        step: int,
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> None:
+        """Leave the current phase and start ``phase`` (``None`` or a dense phase: no masks)."""
+        self._leave()
+        self.current = phase
+        self.history.append((step, _index(phase)))
+        algo = self.algorithm
+        if algo is None:
+            return
+        target = algo.target_at(step)
+        masks = {
+            t.name: algo.initial_mask(
+                t.param.detach(), target, MaskContext(t.name, step, algo.seed)
+            )
+            for t in self.targets
+        }
+        self._apply(masks, optimizers, previous=None)
+
+    def _leave(self) -> None:
+        for t in self.targets:
+            for _, module, _ in t.owners:
+                uninstall_forward(module)
+        self.masks = {}
+        self._grad_lists.clear()
+        self.current = None
+
+    def close(self) -> None:
+        """Remove every installed forward and drop the masks (weights stay as they are)."""
+        self._leave()
+
+    # -- masks ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _apply(
+        self,
+        masks: dict[str, Tensor],
+        optimizers: Sequence[torch.optim.Optimizer],
+        previous: dict[str, Tensor] | None,
+    ) -> None:
+        algo = self.algorithm
+        assert algo is not None
+        for t in self.targets:
+            new = masks[t.name]
+            if algo.projects:
+                install_masked_forward(t.module, project=algo.project)
+            elif algo.straight_through:
+                install_masked_forward(t.module, mask=new)
+            else:
+                t.param.mul_(new)
+                old = None if previous is None else previous.get(t.name)
+                changed = ~new if old is None else old ^ new
+                zero_optimizer_state(optimizers, t.param, changed)
+        self.masks = masks
+        self._grad_lists.clear()
+
+    def current_mask(self, target: ParamTarget) -> Tensor | None:
+        """The mask the next forward uses (projected from the weight for ``runtime``)."""
+        algo = self.algorithm
+        if algo is None:
+            return None
+        return (
+            algo.project(target.param.detach())
+            if algo.projects
+            else self.masks[target.name]
+        )
+
+    def before_optimizer_step(
+        self,
+        step: int,
+        optimizer: torch.optim.Optimizer,
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> bool:
+        """Call after gradients are final (accumulated, synced, unscaled) and before the
+        optimizer applies them. Runs a due mask update, then masks the gradients of hard-mask
+        parameters. Returns whether masks were updated."""
+        algo = self.algorithm
+        if algo is None:
+            return False
+        updated = False
+        if step != self.last_update_step and algo.is_update_step(step):
+            updated = self._update(step, algo, optimizers)
+        if not algo.straight_through:
+            self.mask_gradients(optimizer)
+        return updated
+
+    def _update(
+        self,
+        step: int,
+        algo: SparsityAlgorithm,
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> bool:
+        if not self._finite():
+            self.log(
+                f"[{self.name}] step {step}: mask update skipped: non-finite weights or gradients"
+            )
+            return False
+        target = algo.target_at(step)
+        masks = {
+            t.name: algo.update_mask(
+                t.param.detach(),
+                self.masks[t.name],
+                target,
+                MaskContext(
+                    t.name,
+                    step,
+                    algo.seed,
+                    None if t.param.grad is None else t.param.grad.detach(),
+                ),
+            )
+            for t in self.targets
+        }
+        previous = self.masks
+        self._apply(masks, optimizers, previous)
+        self.last_update_step = step
+        return True
+
+    def _finite(self) -> bool:
+        tensors = [t.param for t in self.targets]
+        tensors += [t.param.grad for t in self.targets if t.param.grad is not None]
+        return all(bool(torch.isfinite(x).all()) for x in tensors)
+
+    def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zero the gradients of pruned weights (one fused pass per dtype/device)."""
+        key = id(optimizer)
+        if key not in self._grad_lists:
+            in_opt = {
+                id(p) for group in optimizer.param_groups for p in group["params"]
+            }
+            chosen = [t for t in self.targets if id(t.param) in in_opt]
+            self._grad_lists[key] = (
+                [t.param for t in chosen],
+                [self.masks[t.name] for t in chosen],
+            )
+        params, masks = self._grad_lists[key]
+        pairs = [(p.grad, m) for p, m in zip(params, masks) if p.grad is not None]
+        if pairs:
+            grads, grad_masks = zip(*pairs)
+            torch._foreach_mul_(list(grads), list(grad_masks))
+
+    # -- observability --------------------------------------------------------------------------
+    def target_sparsity(self, step: int) -> float:
+        algo = self.algorithm
+        return 0.0 if algo is None else sparsity_fraction(algo.target_at(step))
+
+    @torch.no_grad()
+    def actual_sparsity(self) -> float:
+        """Fraction of zeros in the weights the forward sees, over the whole group."""
+        zeros = total = 0
+        for t in self.targets:
+            weight = t.param.detach()
+            mask = self.current_mask(t)
+            nonzero = weight.ne(0) if mask is None else weight.ne(0) & mask
+            zeros += weight.numel() - int(nonzero.sum())
+            total += weight.numel()
+        return zeros / total if total else 0.0
+
+    @torch.no_grad()
+    def layer_sparsity(self) -> dict[str, float]:
+        result = {}
+        for t in self.targets:
+            mask = self.current_mask(t)
+            nonzero = t.param.ne(0) if mask is None else t.param.ne(0) & mask
+            result[t.name] = 1.0 - float(nonzero.float().mean())
+        return result
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU)."""
+        masks = {}
+        if self.algorithm is not None:
+            for t in self.targets:
+                mask = self.current_mask(t)
+                masks[f"{t.name}_mask"] = mask.detach().to("cpu", copy=True)
+        return {
+            "version": STATE_VERSION,
+            "phase": _index(self.current),
+            "last_update_step": self.last_update_step,
+            "history": list(self.history),
+            "masks": masks,
+        }
+
+    def load_state_dict(
+        self, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> None:
+        """Restore a saved state exactly; errors name a missing or mis-shaped mask."""
+        self._leave()
+        self.last_update_step = int(state.get("last_update_step", -1))
+        self.history = [tuple(h) for h in state.get("history", [])]
+        index = state.get("phase")
+        if index is not None and index >= len(self.phases):
+            raise ValueError(
+                f"[{self.name}] the checkpoint was saved in phase {index + 1}, but this schedule "
+                f"has {len(self.phases)} phase(s): resume with the schedule it was trained with"
+            )
+        saved = state.get("masks", {})
+        if index is None or index not in self.algorithms:
+            if saved:
+                raise ValueError(
+                    f"[{self.name}] the checkpoint holds masks, but phase {index} of this schedule "
+                    f"is dense: resume with the schedule the checkpoint was trained with"
+                )
+            self.current = None if index is None else self.phases[index]
+            return
+        masks = {}
+        for t in self.targets:
+            key = f"{t.name}_mask"
+            if key not in saved:
+                raise KeyError(
+                    f"[{self.name}] the checkpoint has no mask for parameter {t.name!r} ({key}); "
+                    f"it has masks for {sorted(saved)[:5]}...: resume with the same params/exclude"
+                )
+            mask = saved[key]
+            if tuple(mask.shape) != tuple(t.param.shape):
+                raise ValueError(
+                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} has shape "
+                    f"{tuple(mask.shape)}, but the parameter has shape {tuple(t.param.shape)}"
+                )
+            masks[t.name] = mask.to(device=t.param.device, dtype=torch.bool)
+        self.current = self.phases[index]
+        self._apply(masks, optimizers, previous=masks)
+
+
+def _index(phase: ResolvedPhase | None) -> int | None:
+    return None if phase is None else phase.index

@@ -1,0 +1,123 @@
+"""Tiny models and a fast Trainer for the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+class TinyNet(nn.Module):
+    """Two hidden Linear layers (sparsified by default) and an output head (left dense)."""
+
+    def __init__(self, width: int = 16, inputs: int = 8, outputs: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(inputs, width)
+        self.fc2 = nn.Linear(width, width)
+        self.head = nn.Linear(width, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class TinyModule(L.LightningModule):
+    """Regression on random data; records hooks that tests inspect."""
+
+    def __init__(
+        self,
+        optimizer: str = "adamw",
+        lr: float = 1e-2,
+        weight_decay: float = 0.0,
+        width: int = 16,
+        inputs: int = 8,
+    ) -> None:
+        super().__init__()
+        self.net = TinyNet(width, inputs)
+        self.optimizer, self.lr, self.weight_decay = optimizer, lr, weight_decay
+        self.val_outputs: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_outputs.append(self(x).detach())
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(
+                self.parameters(),
+                lr=self.lr,
+                momentum=0.9,
+                weight_decay=self.weight_decay,
+            )
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.lr, weight_decay=self.weight_decay
+        )
+
+
+def random_loader(
+    n: int = 64, batch_size: int = 8, inputs: int = 8, seed: int = 0
+) -> DataLoader:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, inputs, generator=gen)
+    y = torch.randn(n, 4, generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+class RepeatedBatch(Dataset):
+    """Every batch of ``batch_size`` consecutive samples is the same batch, so a resumed run sees
+    exactly the batches of the uninterrupted one even when Lightning restarts an epoch's loader."""
+
+    def __init__(self, n: int = 32, batch_size: int = 8, inputs: int = 8) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.batch_size = batch_size
+        self.x = torch.randn(batch_size, inputs, generator=gen)
+        self.y = torch.randn(batch_size, 4, generator=gen)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i % self.batch_size], self.y[i % self.batch_size]
+
+
+def fast_trainer(**kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+class StepProbe(L.Callback):
+    """Records, at every optimizer step, what the forward saw and what is stored."""
+
+    def __init__(self, param: str = "net.fc1.weight") -> None:
+        self.param = param
+        self.stored_zero_fraction: dict[int, float] = {}
+        self.grad_zero_where_pruned: dict[int, bool] = {}
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        weight = pl_module.get_parameter(self.param)
+        self.stored_zero_fraction[trainer.global_step] = float(
+            (weight == 0).float().mean()
+        )
