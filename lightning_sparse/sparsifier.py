@@ -161,12 +161,13 @@ class Sparsifier:
         algo = self.algorithm
         if algo is None:
             return
-        target = algo.target_at(step)
+        weights = {t.name: t.param.detach() for t in self.targets}
+        targets = algo.layer_targets(step, weights, None)
         masks = {
-            t.name: algo.initial_mask(
-                t.param.detach(), target, MaskContext(t.name, step, algo.seed)
+            name: algo.initial_mask(
+                weight, targets[name], MaskContext(name, step, algo.seed)
             )
-            for t in self.targets
+            for name, weight in weights.items()
         }
         self._apply(masks, optimizers, previous=None)
 
@@ -199,9 +200,16 @@ class Sparsifier:
             elif algo.straight_through:
                 install_masked_forward(t.module, mask=new)
             else:
-                t.param.mul_(new)
                 old = None if previous is None else previous.get(t.name)
-                changed = ~new if old is None else old ^ new
+                plain = (
+                    type(t.param.detach()) is torch.Tensor and t.param.is_contiguous()
+                )
+                if old is None or not plain:
+                    t.param.mul_(new)
+                    changed = ~new if old is None else old ^ new
+                else:  # pruned weights are zero, so zeroing the changed entries suffices
+                    changed = (old ^ new).view(-1).nonzero().squeeze(1)
+                    t.param.view(-1).index_fill_(0, changed, 0)
                 zero_optimizer_state(optimizers, t.param, changed)
         self.masks = masks
         self._grad_lists.clear()
@@ -247,12 +255,13 @@ class Sparsifier:
                 f"[{self.name}] step {step}: mask update skipped: non-finite weights or gradients"
             )
             return False
-        target = algo.target_at(step)
+        weights = {t.name: t.param.detach() for t in self.targets}
+        targets = algo.layer_targets(step, weights, self.masks)
         masks = {
             t.name: algo.update_mask(
-                t.param.detach(),
+                weights[t.name],
                 self.masks[t.name],
-                target,
+                targets[t.name],
                 MaskContext(
                     t.name,
                     step,
@@ -270,7 +279,9 @@ class Sparsifier:
     def _finite(self) -> bool:
         tensors = [t.param for t in self.targets]
         tensors += [t.param.grad for t in self.targets if t.param.grad is not None]
-        return all(bool(torch.isfinite(x).all()) for x in tensors)
+        # aminmax is NaN if any entry is NaN, and +-inf if any entry is: one cheap reduction.
+        extremes = [torch.aminmax(x.detach()) for x in tensors]
+        return all(bool(low.isfinite() & high.isfinite()) for low, high in extremes)
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Zero the gradients of pruned weights (one fused pass per dtype/device)."""
