@@ -5,6 +5,7 @@
 """
 
 from lightning_sparse.algorithms import (
+    DropAndGrow,
     MaskContext,
     SparsityAlgorithm,
     register_algorithm,
@@ -18,6 +19,7 @@ from lightning_sparse.sparsifier import Sparsifier
 
 __all__ = [
     "NM",
+    "DropAndGrow",
     "MaskContext",
     "Phase",
     "Sparsifier",
