@@ -54,7 +54,6 @@ from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
 from lightning_sparse.masks import (
     NM,
     Sparsity,
-    nm_groups,
     num_kept,
     sparsity_fraction,
     top_indices,
@@ -74,35 +73,56 @@ def drop_and_grow(
 ) -> Tensor:
     """Drop the ``n_drop`` active entries of ``mask`` with the smallest ``|weight|`` and regrow
     the highest-``grow_score`` entries that are not active after the drop, so that ``target``
-    holds exactly (N:M: inside each group of M, as many as the group lost). In N:M,
-    ``grow_score`` is overwritten (it is scratch space: pass a fresh tensor)."""
-    flat_mask = mask.reshape(-1)
-    active = flat_mask.nonzero().squeeze(1)
+    holds exactly (N:M: inside each group of M, as many as the group lost)."""
+    n_active = int(torch.count_nonzero(mask))
     if isinstance(target, NM):
-        n_survivors = active.numel() - n_drop
+        n_survivors = n_active - n_drop
     else:
         kept = num_kept(mask.numel(), float(target))
-        n_survivors = max(0, min(active.numel(), kept) - n_drop)
-    magnitude = weight.detach().reshape(-1)[active].abs()
-    survivors = flat_mask.clone()
-    dropped = top_indices(magnitude, active.numel() - n_survivors, largest=False)
-    survivors[active[dropped]] = False
+        n_survivors = max(0, min(n_active, kept) - n_drop)
+    survivors = _drop_smallest(weight.detach(), mask, n_active, n_active - n_survivors)
     if isinstance(target, NM):
         return _regrow_in_groups(grow_score, survivors.reshape(mask.shape), target)
     survivors[top_indices(grow_score, kept - n_survivors, exclude=survivors)] = True
     return survivors.reshape(mask.shape)
 
 
+def _drop_smallest(weight: Tensor, mask: Tensor, n_active: int, n_drop: int) -> Tensor:
+    """``mask`` (a flat copy) without its ``n_drop`` active entries of smallest ``|weight|``."""
+    flat_mask = mask.reshape(-1)
+    survivors = flat_mask.clone()
+    if (
+        4 * n_active <= flat_mask.numel()
+    ):  # sparse masks: rank the active magnitudes only
+        active = flat_mask.nonzero().squeeze(1)
+        magnitude = weight.reshape(-1)[active].abs()
+        survivors[active[top_indices(magnitude, n_drop, largest=False)]] = False
+    else:  # dense masks: push inactive entries out of reach instead of gathering actives
+        magnitude = weight.reshape(-1).abs()
+        magnitude += (~flat_mask).to(weight.dtype) * torch.finfo(weight.dtype).max
+        survivors[top_indices(magnitude, n_drop, largest=False)] = False
+    return survivors
+
+
 def _regrow_in_groups(grow_score: Tensor, survivors: Tensor, target: NM) -> Tensor:
-    """Fill every group of M back up to N, with the highest ``grow_score`` among its
-    inactive entries."""
-    kept = nm_groups(survivors, target.m)
-    lost = target.n - kept.view(torch.uint8).sum(-1, keepdim=True, dtype=torch.uint8)
-    candidates = nm_groups(grow_score, target.m).masked_fill_(kept, -math.inf)
-    best = candidates.topk(target.n, dim=-1).indices  # sorted, best first
-    take = torch.arange(target.n, device=survivors.device, dtype=torch.uint8) < lost
-    grown = torch.zeros_like(kept).scatter_(-1, best, take)
-    return (kept | grown).reshape(survivors.shape)
+    """Fill every group of M back up to N with the highest ``grow_score`` among its inactive
+    entries (ties: the earlier position wins)."""
+    # One contiguous row per position in the group: ranking by pairwise comparisons of rows
+    # is much faster on the CPU than a topk along a dimension of size M.
+    kept = survivors.reshape(-1, target.m).t().contiguous()
+    free = ~kept
+    scores = grow_score.reshape(-1, target.m).t().contiguous()
+    lost = target.n - kept.view(torch.uint8).sum(0, dtype=torch.uint8)
+    rank = torch.zeros(scores.shape, dtype=torch.uint8, device=scores.device)
+    for i in range(target.m):
+        for j in range(target.m):
+            if (
+                j != i
+            ):  # j beats i: a higher score, or the same score earlier in the group
+                beats = scores[j] > scores[i] if j > i else scores[j] >= scores[i]
+                rank[i].add_((beats & free[j]).view(torch.uint8))
+    grown = (rank < lost) & free
+    return (kept | grown).t().reshape(survivors.shape)
 
 
 class DropAndGrow(SparsityAlgorithm):
@@ -201,9 +221,8 @@ class DropAndGrow(SparsityAlgorithm):
     def grow_score(
         self, weight: Tensor, mask: Tensor, ctx: MaskContext
     ) -> Tensor | None:
-        """Where to regrow: the highest scores among the inactive weights win. Return a new
-        tensor shaped like ``weight`` (it is overwritten while choosing), or ``None`` to keep
-        the layer's mask as it is at this update."""
+        """Where to regrow: the highest scores among the inactive weights win. Return a
+        tensor shaped like ``weight``, or ``None`` to keep the layer's mask at this update."""
         raise NotImplementedError(
             f"algorithm {self.name!r} subclasses DropAndGrow, so it must implement grow_score"
         )
