@@ -66,9 +66,14 @@ _BITS = {
     torch.bfloat16: (torch.int16, torch.int32, 0x7FFF, 0x7F81),
 }
 
-# Tiles per chunk on the CPU: small enough that a chunk's keys stay in the L2 cache. On other
-# devices a chunk is (nearly) the whole weight: there, fewer and larger kernels are better.
+# Tiles per chunk. On the CPU, the greedy's chunk is small enough that its keys stay in the L2
+# cache and that every op stays below ATen's parallel grain (32768 elements): the greedy is a
+# few hundred small ops per chunk, serial by design. An OpenMP region per op would cost more than
+# it saves, and far more when the CPU is oversubscribed (each region then waits for a time slice).
+# The optimal mask is a few large ops per chunk (a matmul, an argmax over 90): those do use the
+# threads. On other devices a chunk is (nearly) the whole weight: fewer, larger kernels.
 _CPU_CHUNK_TILES = 8192
+_CPU_CHUNK_TILES_OPTIMAL = 8192
 _DEVICE_CHUNK_TILES = 1 << 20
 
 
@@ -94,9 +99,9 @@ def _as_2d(weight: Tensor, what: str = "weight") -> Tensor:
     return flat.contiguous()
 
 
-def _chunk_tile_rows(tile_cols: int, device: torch.device) -> int:
+def _chunk_tile_rows(tile_cols: int, device: torch.device, cpu_budget: int) -> int:
     """How many rows of tiles to process at once."""
-    budget = _CPU_CHUNK_TILES if device.type == "cpu" else _DEVICE_CHUNK_TILES
+    budget = cpu_budget if device.type == "cpu" else _DEVICE_CHUNK_TILES
     return max(1, budget // max(tile_cols, 1))
 
 
@@ -191,7 +196,8 @@ def _run_automaton(
     for k in range(16):
         torch.add(state, qs[k], out=index)
         torch.index_select(step if k < 15 else last, 0, index, out=state)
-    torch.index_select(keep, 0, state, out=out)
+    # 16 flags = two int64 words: an 8-byte row copy per tile (and a serial op up to 8192 tiles)
+    torch.index_select(keep.view(torch.int64), 0, state, out=out.view(torch.int64))
 
 
 def transposable_2to4_mask(weight: Tensor) -> Tensor:
@@ -237,7 +243,7 @@ def transposable_2to4_mask(weight: Tensor) -> Tensor:
         return out.view(weight.shape)
 
     tile_rows, tile_cols = rows // _TILE, cols // _TILE
-    chunk = _chunk_tile_rows(tile_cols, flat.device)
+    chunk = _chunk_tile_rows(tile_cols, flat.device, _CPU_CHUNK_TILES)
     n = min(chunk, tile_rows) * tile_cols
     kept = torch.empty((n, 16), dtype=torch.bool, device=flat.device)
     fast = _BITS.get(flat.dtype)
@@ -272,15 +278,17 @@ def transposable_2to4_mask(weight: Tensor) -> Tensor:
     for r0 in range(0, tile_rows, chunk):
         k = min(chunk, tile_rows - r0)
         m = k * tile_cols
-        raw_k = raw[:, :m]
-        raw_k.view(_TILE, _TILE, k, tile_cols).copy_(
-            bits[r0 : r0 + k].permute(1, 3, 0, 2)
-        )
-        raw_k.bitwise_and_(abs_bits).clamp_(max=nan_bits)  # |w|, every NaN the same
+        for r in range(_TILE):  # positions 4r..4r+3: ops of at most 4 * 8192 elements
+            at = slice(_TILE * r, _TILE * r + _TILE)
+            raw_r = raw[at, :m]
+            raw_r.view(_TILE, k, tile_cols).copy_(bits[r0 : r0 + k, r].permute(2, 0, 1))
+            raw_r.bitwise_and_(abs_bits).clamp_(max=nan_bits)  # |w|, every NaN the same
+            keys[at, :m].copy_(raw_r).bitwise_left_shift_(4).bitwise_or_(position[at])
         keys_k = keys[:, :m]
-        keys_k.copy_(raw_k).bitwise_left_shift_(4).bitwise_or_(position)
         _sort_columns(keys_k, [x[:m] for x in spare], ordered[:, :m])
-        torch.bitwise_and(ordered[:, :m], 15, out=qs[:, :m])
+        for r in range(_TILE):
+            at = slice(_TILE * r, _TILE * r + _TILE)
+            torch.bitwise_and(ordered[at, :m], 15, out=qs[at, :m])
         _run_automaton(qs[:, :m], tables, kept[:m])
         _write_tiles(out, r0, kept[:m])
     return out.view(weight.shape)
@@ -377,7 +385,7 @@ def optimal_transposable_2to4_mask(
     score_dtype = _score_dtype(flat.dtype, flat.device)
     patterns, columns = _patterns(exactly_two, flat.device, score_dtype)
     tile_rows, tile_cols = rows // _TILE, cols // _TILE
-    chunk = _chunk_tile_rows(tile_cols, flat.device)
+    chunk = _chunk_tile_rows(tile_cols, flat.device, _CPU_CHUNK_TILES_OPTIMAL)
     n = min(chunk, tile_rows) * tile_cols
     mag = torch.empty((n, 16), dtype=score_dtype, device=flat.device)
     scores = torch.empty((n, len(patterns)), dtype=score_dtype, device=flat.device)

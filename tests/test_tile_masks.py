@@ -139,9 +139,9 @@ def test_chunked_processing_gives_the_same_mask(
         for shape in [(52, 64), (8, 256)]:  # 13 tile rows; 64 tiles per tile row
             w = integer_weights(shape, 7, dtype) + gaussian_weights(shape, 7, dtype) / 8
             whole = fn(w)
-            monkeypatch.setattr(
-                tile_masks, "_CPU_CHUNK_TILES", 48
-            )  # 3 tile rows, or 1 of 64
+            # 48 tiles: 3 tile rows of 16, or 1 tile row of 64 (more than the budget)
+            monkeypatch.setattr(tile_masks, "_CPU_CHUNK_TILES", 48)
+            monkeypatch.setattr(tile_masks, "_CPU_CHUNK_TILES_OPTIMAL", 48)
             assert torch.equal(fn(w), whole)
             monkeypatch.undo()
             if fn is transposable_2to4_mask:
