@@ -56,15 +56,19 @@ METHODS: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
 ]
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+def median_seconds(
+    fn: Callable[[], object], repeats: int, warmup: int
+) -> tuple[float, float]:
+    """Median wall-clock seconds and median CPU seconds (all threads) of one call."""
     for _ in range(warmup):
         fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def energy(weight: torch.Tensor, mask: torch.Tensor) -> float:
@@ -121,9 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.repeats} runs after {args.warmup} warm-up runs\n"
     )
     print(
-        "| shape | mask | transposable | kept | energy kept | M weights/s | vs row-wise |"
+        "| shape | mask | transposable | kept | energy kept | M weights/s "
+        "| vs row-wise | M weights per CPU-s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---:|---:|---:|")
     notes = []
     for label, rows, cols in SHAPES:
         gen = torch.Generator().manual_seed(args.seed)
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         shape = f"{label} {rows}x{cols}"
         baseline = None
         for name, fn in METHODS:
-            seconds = median_seconds(
+            seconds, cpu = median_seconds(
                 functools.partial(fn, weight), args.repeats, args.warmup
             )
             mask = fn(weight)
@@ -140,13 +145,13 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"| {shape} | {name} | {'yes' if is_transposable_2to4(mask) else 'no'} | "
                 f"{mask.float().mean():.4f} | {energy(weight, mask):.4f} | {rate:.1f} | "
-                f"{rate / baseline:.2f}x |"
+                f"{rate / baseline:.2f}x | {weight.numel() / cpu / 1e6:.1f} |"
             )
 
         side_r, side_c = min(args.ref_block, rows), min(args.ref_block, cols)
         block = weight[:side_r, :side_c].contiguous()
         where = f"{side_r}x{side_c} sub-block"
-        seconds = median_seconds(
+        seconds, cpu = median_seconds(
             functools.partial(reference, block.abs()), args.ref_repeats, warmup=0
         )
         ref_abs = reference(block.abs())
@@ -155,12 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {shape} | torch reference on abs(w) ({where}, throughput extrapolated) | yes | "
             f"{ref_abs.float().mean():.4f} | {energy(block, ref_abs):.4f} | {rate:.2f} | "
-            f"{rate / baseline:.4f}x |"
+            f"{rate / baseline:.4f}x | {block.numel() / cpu / 1e6:.2f} |"
         )
         ref_signed = reference(block)
         print(
             f"| {shape} | torch reference on signed w, torch's default ({where}) | yes | "
-            f"{ref_signed.float().mean():.4f} | {energy(block, ref_signed):.4f} | - | - |"
+            f"{ref_signed.float().mean():.4f} | {energy(block, ref_signed):.4f} | - | - | - |"
         )
         notes.append(
             f"{shape}: on the same {where}, `transposable_2to4_mask` is "
@@ -171,8 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     for note in notes:
         print(f"- {note}")
     print(
-        "- kept: fraction of weights kept (the greedy stops at 7 of 16 in some tiles). energy "
-        "kept: sum of kept w^2 / sum of w^2. Reference rows: measured on the sub-block only."
+        "- kept: fraction of weights kept (the greedy stops at 7 of 16 in some tiles). "
+        "energy kept: sum of kept w^2 / sum of w^2. Reference rows: measured on the "
+        "sub-block only.\n"
+        "- M weights/s: wall clock. M weights per CPU-s: per second of CPU time of all "
+        "threads, which a busy machine (see the load average) skews less; idle OpenMP "
+        "threads spinning count in it."
     )
 
 
