@@ -1,4 +1,5 @@
-"""Mixed and low precision: 16-mixed with a real GradScaler, bf16-mixed, bf16-true weights."""
+"""Mixed and low precision (16-mixed with a real GradScaler, bf16-mixed, bf16-true weights) and
+steps with non-finite losses."""
 
 from typing import Any
 
@@ -16,16 +17,17 @@ from lightning_sparse.selection import select_parameters
 from lightning_sparse.sparsifier import Sparsifier
 
 
-class InfLossAt(TinyModule):
-    """A loss that overflows at the given optimizer steps (so every gradient is non-finite)."""
+class BadLossAt(TinyModule):
+    """A loss times ``factor`` (inf: an overflow, nan) at the given optimizer steps, so every
+    gradient of those steps is non-finite."""
 
-    def __init__(self, bad_steps: set[int]) -> None:
+    def __init__(self, bad_steps: set[int], factor: float = float("inf")) -> None:
         super().__init__()
-        self.bad_steps = bad_steps
+        self.bad_steps, self.factor = bad_steps, factor
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        return loss * float("inf") if self.global_step in self.bad_steps else loss
+        return loss * self.factor if self.global_step in self.bad_steps else loss
 
 
 class Snapshots(L.Callback):
@@ -54,6 +56,23 @@ class Snapshots(L.Callback):
         }
 
 
+def two_groups() -> tuple[SparsityCallback, SparsityCallback]:
+    """fc1 straight-through (magnitude), fc2 hard (gmp); both update at every step."""
+    straight = SparsityCallback(
+        phases=[{"sparsity": 0.5, "algorithm": "magnitude", "update_every": 1}],
+        params=["net.fc1.weight"],
+        name="straight",
+        verbose=False,
+    )
+    hard = SparsityCallback(
+        phases=[{"sparsity": 0.8, "algorithm": "gmp", "update_every": 1}],
+        params=["net.fc2.weight"],
+        name="hard",
+        verbose=False,
+    )
+    return straight, hard
+
+
 def sixteen_mixed(device: str) -> dict[str, Any]:
     if (
         device == "cpu"
@@ -80,24 +99,13 @@ def sixteen_mixed(device: str) -> dict[str, Any]:
 )
 def test_a_step_the_gradscaler_skips_updates_no_mask(device, caplog):
     bad = 3
-    straight = SparsityCallback(
-        phases=[{"sparsity": 0.5, "algorithm": "magnitude", "update_every": 1}],
-        params=["net.fc1.weight"],
-        name="straight",
-        verbose=False,
-    )
-    hard = SparsityCallback(
-        phases=[{"sparsity": 0.8, "algorithm": "gmp", "update_every": 1}],
-        params=["net.fc2.weight"],
-        name="hard",
-        verbose=False,
-    )
+    straight, hard = two_groups()
     snap = Snapshots(straight, hard)
     trainer = fast_trainer(
         max_steps=8, callbacks=[straight, hard, snap], **sixteen_mixed(device)
     )
     with caplog.at_level("INFO", logger="lightning.pytorch"):
-        trainer.fit(InfLossAt({bad}), random_loader())
+        trainer.fit(BadLossAt({bad}), random_loader())
     # the scaler skipped step 3 (and lowered its scale); no other step was skipped
     assert snap.scale[bad + 1] == snap.scale[bad] / 2
     assert all(snap.scale[s] == snap.scale[0] for s in range(bad + 1))
@@ -198,3 +206,25 @@ def test_an_overflow_outside_the_group_also_skips_its_update():
     assert updated == [False, True, False, True]
     assert kept[2] == kept[1] > kept[3]
     assert logs == ["[g] step 2: mask update skipped: non-finite weights or gradients"]
+
+
+def test_nan_loss_steps_never_change_masks(caplog):
+    """Without a GradScaler, a NaN loss poisons the weights (that is the model's problem); the
+    masks keep their last finite choice, and every later update is skipped and logged instead of
+    ranking NaNs."""
+    straight, hard = two_groups()
+    snap = Snapshots(straight, hard)
+    trainer = fast_trainer(max_steps=8, callbacks=[straight, hard, snap])
+    with caplog.at_level("INFO", logger="lightning.pytorch"):
+        trainer.fit(BadLossAt({3}, factor=float("nan")), random_loader())
+    assert not torch.isfinite(snap.weights[3]["net.fc1.weight"]).any()
+    for step in range(3, 8):
+        for name, mask in snap.masks[step].items():
+            assert torch.equal(mask, snap.masks[2][name]), (step, name)
+    assert int(snap.masks[2]["net.fc1.weight"].sum()) == 64  # 50% of 128, exact
+    skipped = [
+        r.getMessage() for r in caplog.records if "update skipped" in r.getMessage()
+    ]
+    # magnitude updates at steps 1-7, gmp at 1-6 (its ramp ends at 75% of the run)
+    assert sum(m.startswith("[straight]") for m in skipped) == 5
+    assert sum(m.startswith("[hard]") for m in skipped) == 4
