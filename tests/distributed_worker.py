@@ -1,9 +1,10 @@
 """One rank of a 2-process CPU job (started by ``tests/multiprocess.py``).
 
-Runs a full ``fit`` with a checkpoint at ``checkpoint_step``, then a second ``fit`` that resumes
-from it, and writes, per optimizer step, a hash of every mask as this rank sees it (after the
-step's mask update), plus a hash of the final weights. ``strategy`` is ``"ddp"`` or ``"fsdp2"``
-(Lightning's ``ModelParallelStrategy`` with ``fully_shard`` on every Linear layer).
+For each strategy in ``strategies`` (``"ddp"``, or ``"fsdp2"``: Lightning's
+``ModelParallelStrategy`` with ``fully_shard`` on every Linear layer), runs a full ``fit`` with a
+checkpoint at ``checkpoint_step``, then a second ``fit`` that resumes from it, and records, per
+optimizer step, a hash of every mask as this rank sees it (after the step's mask update), plus a
+hash of the final weights. One job serves every strategy: starting processes is the slow part.
 """
 
 from __future__ import annotations
@@ -69,13 +70,15 @@ class MaskHashes(L.Callback):
         }
 
 
-def fit(cfg: dict[str, Any], out: Path, ckpt_path: str | None) -> dict[str, Any]:
+def fit(
+    cfg: dict[str, Any], strategy_name: str, out: Path, ckpt_path: str | None
+) -> dict[str, Any]:
     rank = int(os.environ["LOCAL_RANK"])
     # Every rank builds the same model (FSDP2 does not broadcast: each rank keeps its shards of
     # its own copy) and the same data order; then the global RNG differs per rank, so a mask
     # that depended on it (instead of the weights, gradients and name-derived seeds) would differ.
     L.seed_everything(cfg["seed"])
-    if cfg["strategy"] == "ddp":
+    if strategy_name == "ddp":
         model: TinyModule = TinyModule(lr=0.05)
         strategy: Any = "ddp"
     else:
@@ -141,14 +144,18 @@ def odd_shards() -> dict[str, Any]:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    out = Path(cfg["out"])
-    report = {"full": fit(cfg, out, None)}
-    ckpt = out / "ckpt" / f"step={cfg['checkpoint_step']}.ckpt"
-    report["resumed"] = fit(cfg, out / "resumed", str(ckpt))
-    if cfg["strategy"] == "fsdp2":
+    report: dict[str, Any] = {}
+    for strategy in cfg["strategies"]:
+        out = Path(cfg["out"]) / strategy
+        ckpt = out / "ckpt" / f"step={cfg['checkpoint_step']}.ckpt"
+        report[strategy] = {
+            "full": fit(cfg, strategy, out, None),
+            "resumed": fit(cfg, strategy, out / "resumed", str(ckpt)),
+        }
+    if "fsdp2" in cfg["strategies"]:
         report["odd_shards"] = odd_shards()
     rank = int(os.environ["LOCAL_RANK"])
-    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    (Path(cfg["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

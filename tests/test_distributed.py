@@ -2,8 +2,8 @@
 broadcast, after every kind of mask update and after a resume; FSDP2 masks on sharded parameters
 equal the DDP masks at every step.
 
-One 2-process job per strategy runs every phase below in sequence (STEPS optimizer steps each),
-checkpoints inside the ``magnitude`` phase, and resumes from there. Phases whose algorithm or
+One 2-process job runs, for each strategy, every phase below in sequence (STEPS optimizer steps
+each), checkpoints inside the ``magnitude`` phase, and resumes from there. Phases whose algorithm or
 distribution is not registered yet are left out of the job (and reported by a skipped test), so
 ``set``/``rigl``/``global``/``erk`` are covered as soon as they land.
 """
@@ -103,15 +103,20 @@ def config() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ddp(config, tmp_path_factory) -> list[dict[str, Any]]:
-    return run_workers({**config, "strategy": "ddp"}, tmp_path_factory.mktemp("ddp"))
+def job(config, tmp_path_factory) -> list[dict[str, Any]]:
+    """Each rank's report of the one 2-process job (DDP runs, then FSDP2 runs)."""
+    config = {**config, "strategies": ["ddp", "fsdp2"]}
+    return run_workers(config, tmp_path_factory.mktemp("job"))
 
 
 @pytest.fixture(scope="module")
-def fsdp2(config, tmp_path_factory) -> list[dict[str, Any]]:
-    return run_workers(
-        {**config, "strategy": "fsdp2"}, tmp_path_factory.mktemp("fsdp2")
-    )
+def ddp(job) -> list[dict[str, Any]]:
+    return [report["ddp"] for report in job]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(job) -> list[dict[str, Any]]:
+    return [report["fsdp2"] for report in job]
 
 
 def single_process_initial_masks(config: dict[str, Any]) -> dict[str, str]:
@@ -177,8 +182,8 @@ def test_fsdp2_masks_on_sharded_parameters_match_ddp_at_every_step(fsdp2, ddp, c
         assert fsdp2[0][run]["weights"] == ddp[0][run]["weights"], run
 
 
-def test_fsdp2_masks_on_uneven_and_column_shards_equal_whole_tensor_topk(fsdp2):
-    for rank, report in enumerate(fsdp2):
+def test_fsdp2_masks_on_uneven_and_column_shards_equal_whole_tensor_topk(job):
+    for rank, report in enumerate(job):
         shards = report["odd_shards"]
         assert all(entry["equal"] for entry in shards.values()), shards
         for algorithm in ("static", "magnitude"):
