@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_sparse import SparsityCallback
+from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.masks import topk_mask
 from lightning_sparse.schedule import Phase, resolve_phases
 from lightning_sparse.selection import select_parameters
@@ -53,7 +53,8 @@ def tensor_hash(tensor: torch.Tensor) -> str:
 
 
 class MaskHashes(L.Callback):
-    """Placed after the SparsityCallback: records the masks after each step's update."""
+    """Placed after the SparsityCallback: records the masks after each step's update, and the
+    export of the model at that point."""
 
     def __init__(self, sparsity: SparsityCallback) -> None:
         self.sparsity = sparsity
@@ -67,6 +68,10 @@ class MaskHashes(L.Callback):
             "masks": {k: tensor_hash(m) for k, m in sorted(masks.items())},
             "kept": {k: int(m.sum()) for k, m in sorted(masks.items())},
             "sharded": any(is_sharded(t.param) for t in sp.targets),
+            # what a user exporting now would get (gathered and folded on every rank)
+            "export": {
+                k: tensor_hash(v) for k, v in export_state_dict(trainer).items()
+            },
         }
 
 
@@ -85,7 +90,9 @@ def fit(
         model = ShardedTinyModule(lr=0.05)
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     torch.manual_seed(1000 + rank)
-    sparsity = SparsityCallback(phases=cfg["phases"], verbose=False)
+    sparsity = SparsityCallback(
+        phases=cfg["phases"]
+    )  # verbose: the summary gathers too
     hashes = MaskHashes(sparsity)
     ckpt = ModelCheckpoint(
         dirpath=out / "ckpt",
