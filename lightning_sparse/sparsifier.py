@@ -74,6 +74,10 @@ class Sparsifier:
         run: run length, used by algorithms to place update windows.
         backend: ``"auto"`` or ``"masked"`` (see :mod:`lightning_sparse.backends`).
         log: called with a message whenever the group changes phase or skips an update.
+
+    Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
+    shards like the parameter (see :mod:`lightning_sparse.sharding`); call every method on
+    every rank, as the gathers are collectives.
     """
 
     def __init__(
