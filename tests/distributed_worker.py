@@ -45,11 +45,29 @@ class ShardedTinyModule(TinyModule):
         fully_shard(self, mesh=mesh)
 
 
+class RankBatches(RepeatedBatch):
+    """Every batch of a rank is the same, and each rank has its own: so gradients differ between
+    ranks before DDP/FSDP averages them, and a resume mid-epoch sees the batches of the
+    uninterrupted run (Lightning restarts the epoch's loader; see DESIGN.md pitfalls)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(n=32, batch_size=8)
+        self.x = self.x + rank
+
+
 def tensor_hash(tensor: torch.Tensor) -> str:
     data = tensor.detach().cpu().contiguous()
     digest = hashlib.sha256(str((tuple(data.shape), data.dtype)).encode())
     digest.update(data.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+class RankRNG(L.Callback):
+    """Re-seeds the global RNG per rank and per run once training starts (after Lightning's own
+    re-seeding with the global seed, which would otherwise keep the ranks in step)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch.manual_seed(1000 + 10 * trainer.global_rank + (trainer.global_step > 0))
 
 
 class MaskHashes(L.Callback):
@@ -80,8 +98,9 @@ def fit(
 ) -> dict[str, Any]:
     rank = int(os.environ["LOCAL_RANK"])
     # Every rank builds the same model (FSDP2 does not broadcast: each rank keeps its shards of
-    # its own copy) and the same data order; then the global RNG differs per rank, so a mask
-    # that depended on it (instead of the weights, gradients and name-derived seeds) would differ.
+    # its own copy) and sees the same data order; RankRNG then makes the global RNG differ per
+    # rank, so a mask that depended on it (instead of the weights, gradients and name-derived
+    # seeds) would differ between ranks, and between a run and its resume.
     L.seed_everything(cfg["seed"])
     if strategy_name == "ddp":
         model: TinyModule = TinyModule(lr=0.05)
@@ -89,7 +108,6 @@ def fit(
     else:
         model = ShardedTinyModule(lr=0.05)
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    torch.manual_seed(1000 + rank)
     sparsity = SparsityCallback(
         phases=cfg["phases"]
     )  # verbose: the summary gathers too
@@ -104,11 +122,12 @@ def fit(
         strategy=strategy,
         devices=2,
         max_steps=cfg["max_steps"],
-        callbacks=[sparsity, hashes, ckpt],
+        callbacks=[RankRNG(), sparsity, hashes, ckpt],
         enable_checkpointing=True,
         deterministic=True,
+        use_distributed_sampler=False,  # RankBatches splits the data
     )
-    data = DataLoader(RepeatedBatch(n=64, batch_size=8), batch_size=8)
+    data = DataLoader(RankBatches(rank), batch_size=8)
     trainer.fit(model, data, ckpt_path=ckpt_path)
     full = {name: gather_full(p).detach().cpu() for name, p in model.named_parameters()}
     if rank == 0:
