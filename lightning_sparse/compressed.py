@@ -115,7 +115,9 @@ def save_compressed(
     Args:
         source: a Trainer, a checkpoint (dict or path) written with
             :class:`~lightning_sparse.SparsityCallback` (its masks are folded in first, as in
-            :func:`~lightning_sparse.export_state_dict`), or a plain state dict.
+            :func:`~lightning_sparse.export_state_dict`), or a plain state dict. With sharded
+            parameters (FSDP2), call ``state = export_state_dict(trainer)`` on every rank and
+            ``save_compressed(state, path)`` on rank 0.
         path: the file to write (conventionally ``*.safetensors``).
         verbose: print the sizes (per sparse tensor and in total).
     """
