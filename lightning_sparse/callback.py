@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_sparse.algorithms import RunLength
@@ -109,6 +110,7 @@ class SparsityCallback(Callback):
     ) -> None:
         if stage != "fit":
             return
+        _check_strategy(trainer)
         if self.sparsifier is not None:
             self.sparsifier.close()
         self.sparsifier = None
@@ -259,6 +261,17 @@ class SparsityCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_state = dict(state_dict)
         self._active = False
+
+
+def _check_strategy(trainer: pl.Trainer) -> None:
+    if isinstance(trainer.strategy, FSDPStrategy):
+        raise TypeError(
+            "SparsityCallback does not support Lightning's FSDPStrategy (strategy='fsdp', FSDP1): "
+            "it flattens parameters into 1-D shards, so a layer's mask has no weight of its "
+            "shape to apply to. Use ModelParallelStrategy (FSDP2: call fully_shard in "
+            "LightningModule.configure_model), which keeps each parameter a sharded DTensor, or "
+            "strategy='ddp'"
+        )
 
 
 def _phase_number(sparsifier: Sparsifier) -> int:

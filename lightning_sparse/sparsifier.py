@@ -50,6 +50,7 @@ from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
 from lightning_sparse.optim_state import zero_optimizer_state
 from lightning_sparse.schedule import ResolvedPhase, phase_at
 from lightning_sparse.selection import ParamTarget
+from lightning_sparse.sharding import gather_full, shard_like
 
 STATE_VERSION = 1
 
@@ -73,6 +74,10 @@ class Sparsifier:
         run: run length, used by algorithms to place update windows.
         backend: ``"auto"`` or ``"masked"`` (see :mod:`lightning_sparse.backends`).
         log: called with a message whenever the group changes phase or skips an update.
+
+    Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
+    shards like the parameter (see :mod:`lightning_sparse.sharding`); call every method on
+    every rank, as the gathers are collectives.
     """
 
     def __init__(
@@ -113,7 +118,7 @@ class Sparsifier:
         for t in self.targets:
             if isinstance(phase.target, NM):
                 try:
-                    nm_groups(t.param.detach(), phase.target.m)
+                    nm_groups(torch.empty(t.param.shape, device="meta"), phase.target.m)
                 except ValueError as err:
                     raise ValueError(
                         f"{where}: sparsity '{phase.target}' is impossible for parameter {t.name!r}: "
@@ -164,7 +169,9 @@ class Sparsifier:
         target = algo.target_at(step)
         masks = {
             t.name: algo.initial_mask(
-                t.param.detach(), target, MaskContext(t.name, step, algo.seed)
+                gather_full(t.param.detach()),
+                target,
+                MaskContext(t.name, step, algo.seed),
             )
             for t in self.targets
         }
@@ -189,33 +196,39 @@ class Sparsifier:
         masks: dict[str, Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
         previous: dict[str, Tensor] | None,
+        zero_state: bool = True,
     ) -> None:
+        """Make ``masks`` (whole-tensor masks, identical on every rank) take effect. Stored masks
+        are laid out like their parameters (sharded for a DTensor); a straight-through forward
+        keeps the whole mask, since it runs on the gathered weight."""
         algo = self.algorithm
         assert algo is not None
+        stored = {}
         for t in self.targets:
-            new = masks[t.name]
+            new = stored[t.name] = shard_like(masks[t.name], t.param)
             if algo.projects:
                 install_masked_forward(t.module, project=algo.project)
             elif algo.straight_through:
-                install_masked_forward(t.module, mask=new)
+                install_masked_forward(t.module, mask=masks[t.name])
             else:
                 t.param.mul_(new)
-                old = None if previous is None else previous.get(t.name)
-                changed = ~new if old is None else old ^ new
-                zero_optimizer_state(optimizers, t.param, changed)
-        self.masks = masks
+                if zero_state:
+                    old = None if previous is None else previous.get(t.name)
+                    changed = ~new if old is None else old ^ new
+                    zero_optimizer_state(optimizers, t.param, changed)
+        self.masks = stored
         self._grad_lists.clear()
 
     def current_mask(self, target: ParamTarget) -> Tensor | None:
-        """The mask the next forward uses (projected from the weight for ``runtime``)."""
+        """The mask the next forward uses (projected from the weight for ``runtime``), laid out
+        like the parameter."""
         algo = self.algorithm
         if algo is None:
             return None
-        return (
-            algo.project(target.param.detach())
-            if algo.projects
-            else self.masks[target.name]
-        )
+        if algo.projects:
+            weight = target.param.detach()
+            return shard_like(algo.project(gather_full(weight)), weight)
+        return self.masks[target.name]
 
     def before_optimizer_step(
         self,
@@ -231,7 +244,7 @@ class Sparsifier:
             return False
         updated = False
         if step != self.last_update_step and algo.is_update_step(step):
-            updated = self._update(step, algo, optimizers)
+            updated = self._update(step, algo, optimizer, optimizers)
         if not algo.straight_through:
             self.mask_gradients(optimizer)
         return updated
@@ -240,9 +253,10 @@ class Sparsifier:
         self,
         step: int,
         algo: SparsityAlgorithm,
+        optimizer: torch.optim.Optimizer,
         optimizers: Sequence[torch.optim.Optimizer],
     ) -> bool:
-        if not self._finite():
+        if not self._finite(optimizer):
             self.log(
                 f"[{self.name}] step {step}: mask update skipped: non-finite weights or gradients"
             )
@@ -250,14 +264,16 @@ class Sparsifier:
         target = algo.target_at(step)
         masks = {
             t.name: algo.update_mask(
-                t.param.detach(),
-                self.masks[t.name],
+                gather_full(t.param.detach()),
+                gather_full(self.masks[t.name]),
                 target,
                 MaskContext(
                     t.name,
                     step,
                     algo.seed,
-                    None if t.param.grad is None else t.param.grad.detach(),
+                    None
+                    if t.param.grad is None
+                    else gather_full(t.param.grad.detach()),
                 ),
             )
             for t in self.targets
@@ -267,10 +283,13 @@ class Sparsifier:
         self.last_update_step = step
         return True
 
-    def _finite(self) -> bool:
-        tensors = [t.param for t in self.targets]
-        tensors += [t.param.grad for t in self.targets if t.param.grad is not None]
-        return all(bool(torch.isfinite(x).all()) for x in tensors)
+    def _finite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the group's weights and every gradient the optimizer will apply are finite: a
+        step that a GradScaler skips (any non-finite gradient) never updates a mask."""
+        weights = [t.param for t in self.targets]
+        in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = {id(p): p.grad for p in weights + in_optimizer if p.grad is not None}
+        return all(bool(torch.isfinite(x).all()) for x in [*weights, *grads.values()])
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Zero the gradients of pruned weights (one fused pass per dtype/device)."""
@@ -318,11 +337,14 @@ class Sparsifier:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU)."""
+        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU).
+
+        Masks of sharded parameters are gathered (a collective: call on every rank), so the
+        saved masks are whole tensors whatever the strategy."""
         masks = {}
         if self.algorithm is not None:
             for t in self.targets:
-                mask = self.current_mask(t)
+                mask = gather_full(self.current_mask(t))
                 masks[f"{t.name}_mask"] = mask.detach().to("cpu", copy=True)
         return {
             "version": STATE_VERSION,
@@ -335,7 +357,8 @@ class Sparsifier:
     def load_state_dict(
         self, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
     ) -> None:
-        """Restore a saved state exactly; errors name a missing or mis-shaped mask."""
+        """Restore a saved state exactly; errors name a missing or mis-shaped mask. Saved masks
+        are whole tensors, so a checkpoint resumes on any number of ranks, sharded or not."""
         self._leave()
         self.last_update_step = int(state.get("last_update_step", -1))
         self.history = [tuple(h) for h in state.get("history", [])]
@@ -370,7 +393,7 @@ class Sparsifier:
                 )
             masks[t.name] = mask.to(device=t.param.device, dtype=torch.bool)
         self.current = self.phases[index]
-        self._apply(masks, optimizers, previous=masks)
+        self._apply(masks, optimizers, previous=None, zero_state=False)
 
 
 def _index(phase: ResolvedPhase | None) -> int | None:

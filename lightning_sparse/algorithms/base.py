@@ -30,7 +30,14 @@ from typing import ClassVar, TypeVar
 
 from torch import Tensor
 
-from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
+from lightning_sparse.masks import (
+    NM,
+    Sparsity,
+    from_zeros_mask,
+    name_seed,
+    random_score,
+    topk_mask,
+)
 from lightning_sparse.schedule import ResolvedPhase, parse_boundary
 
 
@@ -178,7 +185,10 @@ class SparsityAlgorithm:
     def initial_mask(
         self, weight: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
-        """The mask at phase start: largest magnitude (``init='topk'``) or seeded random."""
+        """The mask at phase start: largest magnitude (``init='topk'``), seeded random, or the
+        weight's own zeros (``init='from_zeros'``, see :func:`~lightning_sparse.masks.from_zeros_mask`)."""
+        if self.init == "from_zeros":
+            return from_zeros_mask(weight.detach(), target, ctx.name, self.select)
         score = (
             ctx.random_score(weight) if self.init == "random" else weight.detach().abs()
         )
