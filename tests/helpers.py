@@ -121,3 +121,14 @@ class StepProbe(L.Callback):
         self.stored_zero_fraction[trainer.global_step] = float(
             (weight == 0).float().mean()
         )
+
+
+def pretend_gpu(
+    monkeypatch: Any, capability: tuple[int, int] = (8, 0), cusparselt: bool = True
+) -> None:
+    """Make the 2:4 capability rules see every parameter on a GPU of ``capability``; the
+    sparse layers then run their emulation (the parameters are still on the CPU)."""
+    from lightning_sparse.backends import capability as cap
+
+    monkeypatch.setattr(cap, "device_capability", lambda device: capability)
+    monkeypatch.setattr(cap, "cusparselt_available", lambda: cusparselt)
