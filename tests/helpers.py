@@ -64,6 +64,18 @@ class TinyModule(L.LightningModule):
         )
 
 
+class CompiledTiny(TinyModule):
+    """TinyModule whose network runs through ``torch.compile`` (parameter names unchanged)."""
+
+    def __init__(self, backend=None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        object.__setattr__(self, "compiled", torch.compile(self.net, backend=backend))
+
+    def forward(self, x):
+        return self.compiled(x) if self.backend else self.net(x)
+
+
 def random_loader(
     n: int = 64, batch_size: int = 8, inputs: int = 8, seed: int = 0
 ) -> DataLoader:

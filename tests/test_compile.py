@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import RepeatedBatch, TinyModule, fast_trainer, pretend_gpu
+from helpers import CompiledTiny, RepeatedBatch, fast_trainer, pretend_gpu
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -28,18 +28,6 @@ class CountingBackend:
     def __call__(self, gm, example_inputs):
         self.compiles += 1
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-
-class CompiledTiny(TinyModule):
-    """TinyModule whose network runs through ``torch.compile`` (parameter names unchanged)."""
-
-    def __init__(self, backend=None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.backend = backend
-        object.__setattr__(self, "compiled", torch.compile(self.net, backend=backend))
-
-    def forward(self, x):
-        return self.compiled(x) if self.backend else self.net(x)
 
 
 class Recompiles(L.Callback):

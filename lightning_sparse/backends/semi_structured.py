@@ -162,8 +162,19 @@ def semi_structured_linear(
     # multiply with the packed weight on the left, which the fused transpose does not support).
     x = input.to(dtype).reshape(-1, input.shape[-1]).contiguous()
     b = None if bias is None else bias.to(dtype)
-    out = F.linear(x, sparsify_24(w, kernel), b)
+    linear = _linear_24 if kernel == "cusparselt" else _linear_24_eager
+    out = linear(x, w, b, kernel)
     return out.view(*input.shape[:-1], out.shape[-1])
+
+
+def _linear_24(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str) -> Tensor:
+    return F.linear(x, sparsify_24(weight, kernel), bias)
+
+
+# The CUTLASS tensor made by the tile op carries 3-D metadata, which the meta function of
+# ``aten._sparse_semi_structured_(add)mm`` (used when compiling) rejects in torch 2.15: under
+# ``torch.compile`` CUTLASS layers run eagerly (a graph break), cuSPARSELt layers are traced.
+_linear_24_eager = torch.compiler.disable(_linear_24)
 
 
 class SemiStructuredLinear(SparseForwardMixin, nn.Linear):
