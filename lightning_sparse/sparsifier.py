@@ -51,13 +51,15 @@ from lightning_sparse.backends.masked import (
     straight_through_unsupported,
     uninstall_forward,
 )
-from lightning_sparse.backends.semi_structured import install_semi_structured_forward
+from lightning_sparse.backends.semi_structured import (
+    NotTransposableError,
+    install_semi_structured_forward,
+)
 from lightning_sparse.backends.speed import SpeedCheck
 from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
 from lightning_sparse.optim_state import zero_optimizer_state
 from lightning_sparse.schedule import ResolvedPhase, phase_at
 from lightning_sparse.selection import ParamTarget
-from lightning_sparse.tile_masks import is_transposable_2to4
 
 STATE_VERSION = 1
 
@@ -236,26 +238,33 @@ class Sparsifier:
         key = (self.current.index, t.name)
         choice = self.backends[key]
         if choice.name == "semi_structured":
-            stored = None if algo.projects else mask
-            if stored is None or is_transposable_2to4(stored):
+            try:
+                stored = None if algo.projects else mask
                 install_semi_structured_forward(t.module, choice.kernel, stored)
                 return
-            why = (
-                f"algorithm {algo.name!r} gave {t.name!r} a 2:4 mask that is not transposable "
-                f"(at most 2 per row and column of each 4x4 tile), which the 2:4 kernels need"
-            )
-            if self.backend == "semi_structured":
-                raise ValueError(
-                    f"[{self.name}] {why}: choose masks with SparsityAlgorithm.select, or use "
-                    f"backend='auto' to run such masks with masked dense math"
-                )
-            self.backends[key] = BackendChoice("masked", why)
-            self.log(f"[{self.name}] {why}; it runs with masked dense math")
-            uninstall_forward(t.module)
+            except NotTransposableError:
+                self._run_masked_instead(t, algo, key)
         if algo.projects:
             install_masked_forward(t.module, project=algo.project)
         elif algo.straight_through:
             install_masked_forward(t.module, mask=mask)
+
+    def _run_masked_instead(
+        self, t: ParamTarget, algo: SparsityAlgorithm, key: tuple[int, str]
+    ) -> None:
+        """A mask the kernels cannot run: an error if they were required, else masked math."""
+        why = (
+            f"algorithm {algo.name!r} gave {t.name!r} a 2:4 mask that is not transposable "
+            f"(at most 2 per row and column of each 4x4 tile), which the 2:4 kernels need"
+        )
+        if self.backend == "semi_structured":
+            raise ValueError(
+                f"[{self.name}] {why}: choose masks with SparsityAlgorithm.select, or use "
+                f"backend='auto' to run such masks with masked dense math"
+            )
+        self.backends[key] = BackendChoice("masked", why)
+        self.log(f"[{self.name}] {why}; it runs with masked dense math")
+        uninstall_forward(t.module)
 
     def current_mask(self, target: ParamTarget) -> Tensor | None:
         """The mask the next forward uses (projected from the weight for ``runtime``)."""

@@ -16,7 +16,8 @@ Example:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_sparse.backends.capability import semi_structured_kernel
-    >>> kernel, why = semi_structured_kernel(nn.Linear(256, 128).weight, [("fc", nn.Linear(256, 128), "weight")])
+    >>> fc = nn.Linear(256, 128)
+    >>> kernel, why = semi_structured_kernel(fc.weight, [("fc", fc, "weight")], torch.bfloat16)
     >>> kernel is None and why in ("no CUDA GPU", "parameter on cpu, not on a CUDA GPU")
     True
 """

@@ -44,6 +44,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.sparse import (
+    SparseSemiStructuredTensorCUSPARSELT,
+    SparseSemiStructuredTensorCUTLASS,
+)
 
 from lightning_sparse.backends.masked import (
     SparseForwardMixin,
@@ -58,13 +62,11 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _pack_cusparselt(weight: Tensor) -> Tensor:
-    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT as Packed
-
     packed, meta, packed_t, meta_t, bitmask = torch._sparse_semi_structured_tile(
         weight, algorithm=GREEDY, use_cutlass=False
     )
     rows, cols = weight.shape
-    return Packed(
+    return SparseSemiStructuredTensorCUSPARSELT(
         weight.shape,
         packed=packed.view(rows, -1),  # as torch's prune_dense_static_sort: 2-D views
         meta=meta,
@@ -77,12 +79,10 @@ def _pack_cusparselt(weight: Tensor) -> Tensor:
 
 
 def _pack_cutlass(weight: Tensor) -> Tensor:
-    from torch.sparse import SparseSemiStructuredTensorCUTLASS as Packed
-
     packed, meta, packed_t, meta_t, bitmask = torch._sparse_semi_structured_tile(
         weight, algorithm=GREEDY, use_cutlass=True
     )
-    return Packed(
+    return SparseSemiStructuredTensorCUTLASS(
         weight.shape,
         packed=packed,
         meta=meta,
@@ -177,6 +177,10 @@ def _linear_24(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str) -> T
 _linear_24_eager = torch.compiler.disable(_linear_24)
 
 
+class NotTransposableError(ValueError):
+    """A stored mask that the 2:4 kernels cannot run (not transposable 2:4)."""
+
+
 class SemiStructuredLinear(SparseForwardMixin, nn.Linear):
     """``nn.Linear`` whose matmuls run 2:4-sparse (see the module docstring)."""
 
@@ -201,7 +205,7 @@ def install_semi_structured_forward(
     if kernel not in (*KERNELS, EMULATED):
         raise ValueError(f"kernel={kernel!r}; use one of {[*KERNELS, EMULATED]}")
     if mask is not None and not is_transposable_2to4(mask):
-        raise ValueError(
+        raise NotTransposableError(
             "the semi_structured backend runs stored masks that are transposable 2:4 (at most "
             "2 kept per row and per column of every 4x4 tile); this mask is not"
         )
