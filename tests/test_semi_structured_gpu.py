@@ -29,6 +29,9 @@ pytestmark = [
     ),
 ]
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
+# Two bf16 runs that differ only in rounding (or in a tie-broken mask entry) drift apart: Adam
+# moves a weight by at most ~lr per step either way, so 8 steps at lr=1e-3 stay within 2e-2.
+DRIFT = {"rtol": 0, "atol": 2e-2}
 
 
 def kernels() -> list[str]:
@@ -148,14 +151,19 @@ def test_training_switches_phases_on_the_gpu_like_masked(tmp_path):
     masked, _, _ = fit(tmp_path, backend="masked")
     for p, q in zip(model.parameters(), masked.parameters()):
         assert torch.isfinite(p).all()
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-2)
+        torch.testing.assert_close(p, q, **DRIFT)
 
 
 def test_resume_on_the_gpu(tmp_path):
-    reference, _, _ = fit(tmp_path / "ref")
+    reference, ref_cb, _ = fit(tmp_path / "ref")
     fit(tmp_path / "ck", stop=4)  # inside the magnitude phase
-    resumed, _, _ = fit(tmp_path / "res", ckpt_path=tmp_path / "ck" / "step=4.ckpt")
+    resumed, cb, probe = fit(
+        tmp_path / "res", ckpt_path=tmp_path / "ck" / "step=4.ckpt"
+    )
+    assert cb.sparsifier.history == ref_cb.sparsifier.history
+    assert probe.classes[4] == "SemiStructuredLinear"  # the kernel forward is back
     for p, q in zip(resumed.parameters(), reference.parameters()):
+        # the same kernels on the same inputs: equal up to GPU nondeterminism
         torch.testing.assert_close(p, q, rtol=0, atol=1e-3)
 
 
@@ -164,7 +172,7 @@ def test_compiled_training_on_the_gpu(tmp_path):
     compiled, _, probe = fit(tmp_path, compile=True)
     assert probe.classes[0] == "SemiStructuredLinear" and probe.classes[7] == "Linear"
     for p, q in zip(compiled.parameters(), eager.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-2)
+        torch.testing.assert_close(p, q, **DRIFT)
 
 
 def test_compiled_layer_after_a_swap_back_is_dense():
@@ -172,9 +180,12 @@ def test_compiled_layer_after_a_swap_back_is_dense():
     install_semi_structured_forward(layer, kernels()[0])
     compiled = torch.compile(layer)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(compiled(x), layer(x), **BF16)
+    sparse = layer(x)
+    torch.testing.assert_close(compiled(x), sparse, **BF16)
     uninstall_forward(layer)
-    assert torch.equal(compiled(x), layer(x))
+    dense = compiled(x)
+    torch.testing.assert_close(dense, layer(x), **BF16)
+    assert not torch.allclose(dense, sparse, **BF16)  # not a stale sparse graph
 
 
 @pytest.mark.parametrize("kernel", kernels())
