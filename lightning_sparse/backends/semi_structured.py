@@ -17,7 +17,7 @@ Where a kernel cannot run (a CPU tensor, a float32 matmul), and with ``kernel="e
 the layer computes what the masked backend computes, with the same operations: the weight
 times :func:`~lightning_sparse.tile_masks.transposable_2to4_mask` (or times its stored mask).
 That mask is the kernel's greedy choice, except where ``|w|`` ties within a tile: the kernel
-compares the values in the matmul dtype (bfloat16 has many ties) and its sorting network
+compares the values in the matmul dtype (bfloat16 values tie often) and its sorting network
 orders equal values its own way, while the emulation ranks the stored (e.g. float32) values
 and breaks ties by position. Both are valid greedy choices; the GPU tests compare them on
 weights without ties. The CPU tests run the whole control flow with the emulation.
@@ -49,6 +49,7 @@ from torch.sparse import (
     SparseSemiStructuredTensorCUTLASS,
 )
 
+from lightning_sparse.backends.capability import HALF_DTYPES
 from lightning_sparse.backends.masked import (
     SparseForwardMixin,
     project_eagerly,
@@ -58,7 +59,6 @@ from lightning_sparse.backends.masked import (
 from lightning_sparse.tile_masks import is_transposable_2to4, transposable_2to4_mask
 
 GREEDY = "largest_abs_values_greedy"
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _pack_cusparselt(weight: Tensor) -> Tensor:
