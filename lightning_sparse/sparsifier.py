@@ -40,12 +40,22 @@ from lightning_sparse.algorithms import (
     SparsityAlgorithm,
     build_algorithm,
 )
-from lightning_sparse.backends import BackendChoice, choose_backend
+from lightning_sparse.backends import (
+    BackendChoice,
+    choose_backend,
+    require_semi_structured,
+    validate_backend,
+)
 from lightning_sparse.backends.masked import (
     install_masked_forward,
     straight_through_unsupported,
     uninstall_forward,
 )
+from lightning_sparse.backends.semi_structured import (
+    NotTransposableError,
+    install_semi_structured_forward,
+)
+from lightning_sparse.backends.speed import SpeedCheck
 from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
 from lightning_sparse.optim_state import zero_optimizer_state
 from lightning_sparse.schedule import ResolvedPhase, phase_at
@@ -72,8 +82,12 @@ class Sparsifier:
         targets: the parameters to sparsify (see :func:`~lightning_sparse.selection.select_parameters`).
         phases: the resolved schedule.
         run: run length, used by algorithms to place update windows.
-        backend: ``"auto"`` or ``"masked"`` (see :mod:`lightning_sparse.backends`).
+        backend: ``"auto"``, ``"masked"`` or ``"semi_structured"`` (see
+            :mod:`lightning_sparse.backends`); chosen per parameter and phase at construction.
         log: called with a message whenever the group changes phase or skips an update.
+        compute_dtype: the autocast dtype of the matmuls (``None``: the weights' own dtype).
+        verify_speed: with ``backend="auto"``, time each distinct layer shape once, sparse
+            against dense, and keep dense math where the sparse kernel is slower.
 
     Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
     shards like the parameter (see :mod:`lightning_sparse.sharding`); call every method on
@@ -88,6 +102,8 @@ class Sparsifier:
         run: RunLength = UNKNOWN_RUN,
         backend: str = "auto",
         log: Callable[[str], None] = lambda message: None,
+        compute_dtype: torch.dtype | None = None,
+        verify_speed: bool = False,
     ) -> None:
         self.name = name
         self.targets = list(targets)
@@ -96,14 +112,24 @@ class Sparsifier:
         self.algorithms: dict[int, SparsityAlgorithm] = {
             p.index: build_algorithm(p, run) for p in self.phases if not p.spec.is_dense
         }
+        self.backend = validate_backend(backend, verify_speed)
+        speedup = SpeedCheck() if verify_speed else None
         self.backends: dict[tuple[int, str], BackendChoice] = {}
         for phase in self.phases:
             if phase.index in self.algorithms:
                 self._check_phase(phase, self.algorithms[phase.index])
                 for t in self.targets:
                     self.backends[phase.index, t.name] = choose_backend(
-                        backend, phase.target
+                        backend, phase.target, t.param, t.owners, compute_dtype, speedup
                     )
+        if backend == "semi_structured":
+            require_semi_structured(
+                [
+                    (f"phase {index + 1} {name}", choice.reason)
+                    for (index, name), choice in self.backends.items()
+                    if choice.name != "semi_structured"
+                ]
+            )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
         self.last_update_step = -1
@@ -206,11 +232,8 @@ class Sparsifier:
         stored = {}
         for t in self.targets:
             new = stored[t.name] = shard_like(masks[t.name], t.param)
-            if algo.projects:
-                install_masked_forward(t.module, project=algo.project)
-            elif algo.straight_through:
-                install_masked_forward(t.module, mask=masks[t.name])
-            else:
+            self._install_forward(t, algo, masks[t.name])
+            if not algo.straight_through:
                 t.param.mul_(new)
                 if zero_state:
                     old = None if previous is None else previous.get(t.name)
@@ -218,6 +241,43 @@ class Sparsifier:
                     zero_optimizer_state(optimizers, t.param, changed)
         self.masks = stored
         self._grad_lists.clear()
+
+    def _install_forward(
+        self, t: ParamTarget, algo: SparsityAlgorithm, mask: Tensor
+    ) -> None:
+        """Give ``t``'s layer the forward its backend needs (hard masks on the masked backend
+        need none: the pruned weights are stored as zeros)."""
+        assert self.current is not None
+        key = (self.current.index, t.name)
+        choice = self.backends[key]
+        if choice.name == "semi_structured":
+            try:
+                stored = None if algo.projects else mask
+                install_semi_structured_forward(t.module, choice.kernel, stored)
+                return
+            except NotTransposableError:
+                self._run_masked_instead(t, algo, key)
+        if algo.projects:
+            install_masked_forward(t.module, project=algo.project)
+        elif algo.straight_through:
+            install_masked_forward(t.module, mask=mask)
+
+    def _run_masked_instead(
+        self, t: ParamTarget, algo: SparsityAlgorithm, key: tuple[int, str]
+    ) -> None:
+        """A mask the kernels cannot run: an error if they were required, else masked math."""
+        why = (
+            f"algorithm {algo.name!r} gave {t.name!r} a 2:4 mask that is not transposable "
+            f"(at most 2 per row and column of each 4x4 tile), which the 2:4 kernels need"
+        )
+        if self.backend == "semi_structured":
+            raise ValueError(
+                f"[{self.name}] {why}: choose masks with SparsityAlgorithm.select, or use "
+                f"backend='auto' to run such masks with masked dense math"
+            )
+        self.backends[key] = BackendChoice("masked", why)
+        self.log(f"[{self.name}] {why}; it runs with masked dense math")
+        uninstall_forward(t.module)
 
     def current_mask(self, target: ParamTarget) -> Tensor | None:
         """The mask the next forward uses (projected from the weight for ``runtime``), laid out

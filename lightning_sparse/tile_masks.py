@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_sparse.masks import nm_groups
 
 __all__ = [
+    "has_4x4_tiles",
     "is_transposable_2to4",
     "optimal_transposable_2to4_mask",
     "transposable_2to4_mask",
@@ -412,6 +413,22 @@ def optimal_transposable_2to4_mask(
         torch.index_select(patterns, 0, scores[:m].argmax(1), out=kept[:m])
         _write_tiles(out, r0, kept[:m])
     return out.view(weight.shape)
+
+
+def has_4x4_tiles(weight: Tensor) -> bool:
+    """Whether ``weight`` is 2-D with both dimensions multiples of 4 (and not empty).
+
+    Example:
+        >>> import torch
+        >>> has_4x4_tiles(torch.zeros(8, 12)), has_4x4_tiles(torch.zeros(8, 6)), has_4x4_tiles(torch.zeros(4, 4, 4))
+        (True, False, False)
+    """
+    return (
+        weight.dim() == 2
+        and weight.numel() > 0
+        and weight.shape[0] % _TILE == 0
+        and weight.shape[1] % _TILE == 0
+    )
 
 
 def is_transposable_2to4(mask: Tensor) -> bool:

@@ -56,9 +56,13 @@ def test_mask_updates_do_not_recompile_but_forward_swaps_do():
     # magnitude: one graph for its 5 steps although its mask changed 4 times
     assert frames[:5] == [1] * 5
     assert any(not torch.equal(probe.masks[s], probe.masks[0]) for s in range(1, 5))
-    # runtime (a projecting forward) and then plain layers: one recompilation each
-    assert frames[5:9] == [2] * 4
-    assert frames[9:] == [3] * 6  # static -> dense changes only data: no recompilation
+    # runtime (a projecting forward; the projection itself runs eagerly, so its graph breaks add
+    # frames) and then plain layers: new graphs at each forward swap, none within a phase
+    runtime, plain = frames[5:9], frames[9:]
+    assert len(set(runtime)) == 1 and runtime[0] > frames[4]
+    assert (
+        len(set(plain)) == 1 and plain[0] > runtime[0]
+    )  # static -> dense: no recompilation
     for step in range(15):
         torch.testing.assert_close(
             probe.compiled_loss[step], probe.eager_loss[step], rtol=1e-5, atol=1e-6

@@ -39,6 +39,7 @@ from lightning_sparse.masks import (
     topk_mask,
 )
 from lightning_sparse.schedule import ResolvedPhase, parse_boundary
+from lightning_sparse.tile_masks import has_4x4_tiles, optimal_transposable_2to4_mask
 
 
 @dataclass
@@ -179,7 +180,16 @@ class SparsityAlgorithm:
 
     # -- masks ------------------------------------------------------------------------------
     def select(self, score: Tensor, target: Sparsity) -> Tensor:
-        """Keep the highest-scoring weights so that ``target`` holds exactly."""
+        """Keep the highest-scoring weights so that ``target`` holds exactly.
+
+        ``2:4`` on a 2-D weight whose dimensions are multiples of 4 is *transposable*: in every
+        4x4 tile exactly 2 per row and 2 per column, the pattern with the highest total score
+        (so ``W.T`` is 2:4 too and 2:4 kernels can also run the backward matmul). Other N:M
+        targets and shapes: N of every M along the input dimension.
+        """
+        if target == NM(2, 4) and has_4x4_tiles(score):
+            # every candidate pattern keeps 8 of 16, so shifting the scores keeps the argmax
+            return optimal_transposable_2to4_mask(score - score.amin())
         return topk_mask(score, target)
 
     def initial_mask(
