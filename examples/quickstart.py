@@ -18,7 +18,13 @@ class DigitsViT(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.model = timm.models.vision_transformer.VisionTransformer(
-            img_size=8, patch_size=2, in_chans=1, embed_dim=64, depth=3, num_heads=4, num_classes=10
+            img_size=8,
+            patch_size=2,
+            in_chans=1,
+            embed_dim=64,
+            depth=3,
+            num_heads=4,
+            num_classes=10,
         )
 
     def training_step(self, batch, batch_idx):
@@ -27,7 +33,9 @@ class DigitsViT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_acc", (self.model(x).argmax(-1) == y).float().mean(), prog_bar=True)
+        self.log(
+            "val_acc", (self.model(x).argmax(-1) == y).float().mean(), prog_bar=True
+        )
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=2e-3, weight_decay=0.05)
@@ -43,8 +51,14 @@ def main() -> None:
         phases=[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}],
         params=["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"],
     )
-    trainer = L.Trainer(max_epochs=8, callbacks=[sparsity], accelerator="cpu", logger=False)
-    trainer.fit(DigitsViT(), DataLoader(train, batch_size=64, shuffle=True), DataLoader(val, batch_size=256))
+    trainer = L.Trainer(
+        max_epochs=8, callbacks=[sparsity], accelerator="cpu", logger=False
+    )
+    trainer.fit(
+        DigitsViT(),
+        DataLoader(train, batch_size=64, shuffle=True),
+        DataLoader(val, batch_size=256),
+    )
     print(f"validation accuracy: {trainer.callback_metrics['val_acc']:.3f}")
 
 

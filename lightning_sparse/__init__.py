@@ -11,6 +11,11 @@ from lightning_sparse.algorithms import (
     register_algorithm,
 )
 from lightning_sparse.callback import SparsityCallback
+from lightning_sparse.compressed import (
+    load_compressed,
+    save_compressed,
+    to_semi_structured,
+)
 from lightning_sparse.export import export_state_dict, fold_masks
 from lightning_sparse.masks import NM
 from lightning_sparse.schedule import Phase
@@ -27,6 +32,9 @@ __all__ = [
     "SparsityCallback",
     "export_state_dict",
     "fold_masks",
+    "load_compressed",
     "register_algorithm",
+    "save_compressed",
     "select_parameters",
+    "to_semi_structured",
 ]

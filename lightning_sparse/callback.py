@@ -8,11 +8,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_sparse import cerebras
 from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends import validate_backend
+from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.report import plan_table, summary
 from lightning_sparse.schedule import Phase, resolve_phases, validate_phase_list
 from lightning_sparse.selection import Selection, compile_patterns, select_parameters
@@ -31,13 +33,16 @@ class SparsityCallback(Callback):
             Linear/Conv weight except embeddings, norms, the output head and tied weights.
         exclude: patterns of parameters to leave dense.
         backend: ``"auto"`` (the fastest the hardware allows, per layer), ``"masked"`` (dense
-            math on masked weights, any device) or ``"semi_structured"`` (2:4 sparse tensor cores).
+            math on masked weights, any device) or ``"semi_structured"`` (2:4 sparse tensor
+            cores; an error at fit start lists each layer that cannot run on them, and why).
         name: the group's name; it keys the logs and the checkpoint state (``state_key``), so
             several callbacks (groups) need distinct names (Lightning refuses two callbacks with
             one ``state_key`` when the Trainer is built) and disjoint parameters.
         log_every_n_steps: how often target/actual sparsity go to the loggers (default: the
             trainer's ``log_every_n_steps``).
         verbose: print the plan table at fit start and a summary at the end.
+        verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
+            layer shape at fit start, and keep dense math where the sparse kernel is slower.
 
     Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
     Masks, the phase and the last update step are saved in checkpoints and restored on
@@ -63,6 +68,7 @@ class SparsityCallback(Callback):
         name: str = "sparsity",
         log_every_n_steps: int | None = None,
         verbose: bool = True,
+        verify_speed: bool = False,
     ) -> None:
         if (sparsity is None) == (phases is None):
             raise ValueError(
@@ -82,7 +88,8 @@ class SparsityCallback(Callback):
         compile_patterns(exclude, "exclude")
         self.params = params
         self.exclude = exclude
-        self.backend = validate_backend(backend)
+        self.backend = validate_backend(backend, verify_speed)
+        self.verify_speed = verify_speed
         if not isinstance(name, str) or not name:
             raise ValueError(f"name={name!r}: give the group a non-empty string name")
         self.name = name
@@ -127,6 +134,7 @@ class SparsityCallback(Callback):
     ) -> None:
         if stage != "fit":
             return
+        _check_strategy(trainer)
         if self.sparsifier is not None:
             self.sparsifier.close()
         self.sparsifier = None
@@ -152,6 +160,8 @@ class SparsityCallback(Callback):
             run,
             self.backend,
             log=rank_zero_info,
+            compute_dtype=autocast_dtype(trainer.precision),
+            verify_speed=self.verify_speed,
         )
         self.selection = selection
         if self.verbose:
@@ -277,6 +287,17 @@ class SparsityCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_state = dict(state_dict)
         self._active = False
+
+
+def _check_strategy(trainer: pl.Trainer) -> None:
+    if isinstance(trainer.strategy, FSDPStrategy):
+        raise TypeError(
+            "SparsityCallback does not support Lightning's FSDPStrategy (strategy='fsdp', FSDP1): "
+            "it flattens parameters into 1-D shards, so a layer's mask has no weight of its "
+            "shape to apply to. Use ModelParallelStrategy (FSDP2: call fully_shard in "
+            "LightningModule.configure_model), which keeps each parameter a sharded DTensor, or "
+            "strategy='ddp'"
+        )
 
 
 def _phase_number(sparsifier: Sparsifier) -> int:

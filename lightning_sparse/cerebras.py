@@ -11,7 +11,7 @@ Legacy form (static sparsity)::
     sparsity:
       type: sideband
       sparsity: 0.5
-      init_method: topk          # or random; default topk
+      init_method: topk          # or random or from_zeros; default topk
       seed: 1
       param_name_patterns: ".*mlp.*weight"   # a regex, a list of regexes, or a mapping
       # param_name_patterns: {".*attn.*weight": {sparsity: 0.3}, ".*mlp.*weight": {init_method: random}}
@@ -37,8 +37,8 @@ also match inside a LightningModule. Without patterns the default selection appl
 
 Differences from Cerebras hardware: there, pruned weights are marked as NaN; here they are stored
 as zeros (with masked gradients and optimizer state), so checkpoints hold zeros, not NaNs.
-Unsupported keys (``update.steps``, ``balance_in_groups``, ``init_method: from_zeros``...) are
-errors that name the key.
+Unsupported keys (``update.steps``, ``balance_in_groups``, ``init_method: checkerboard``...)
+are errors that name the key.
 
 Example:
     >>> [group["phases"] for group in translate({"type": "sideband", "sparsity": 0.3})]
@@ -62,7 +62,7 @@ import yaml
 from lightning_sparse.algorithms.step_values import parse_step_value
 
 ALGORITHMS = ("static", "gmp", "set", "rigl")
-INIT_METHODS = ("random", "topk")
+INIT_METHODS = ("random", "topk", "from_zeros")
 LEGACY_KEYS = frozenset(
     {"type", "sparsity", "init_method", "seed", "param_name_patterns"}
 )

@@ -23,6 +23,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_sparse.sharding import gather_full
+
 
 def fold_masks(
     state_dict: Mapping[str, Tensor], masks: Mapping[str, Tensor]
@@ -52,7 +54,8 @@ def export_state_dict(
     """The model's state dict with every sparsity group's masks folded in.
 
     Args:
-        source: a :class:`~lightning.pytorch.Trainer` that ran ``fit`` with sparsity callbacks,
+        source: a :class:`~lightning.pytorch.Trainer` that ran ``fit`` with sparsity callbacks
+            (with sharded parameters, e.g. FSDP2, call it on every rank: weights are gathered),
             a checkpoint dict, or a path to a checkpoint file.
     """
     if isinstance(source, pl.Trainer):
@@ -62,7 +65,9 @@ def export_state_dict(
         for cb in source.callbacks:
             if isinstance(cb, SparsityCallback):
                 masks.update(cb.state_dict().get("masks", {}))
-        state = {k: v.detach() for k, v in source.lightning_module.state_dict().items()}
+        module_state = source.lightning_module.state_dict()
+        # sharded (FSDP2) weights are gathered: a collective, so call this on every rank
+        state = {k: gather_full(v.detach()) for k, v in module_state.items()}
         return fold_masks(state, masks)
     if isinstance(source, (str, Path)):
         source = torch.load(source, map_location="cpu", weights_only=False)

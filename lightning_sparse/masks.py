@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -222,3 +223,46 @@ def random_score(like: Tensor, seed: int) -> Tensor:
 def is_nm(mask: Tensor, target: NM) -> bool:
     """Whether at most ``n`` of every ``m`` along the input dimension are kept."""
     return bool((nm_groups(mask, target.m).sum(-1) <= target.n).all())
+
+
+def from_zeros_mask(
+    weight: Tensor,
+    target: Sparsity,
+    name: str = "weight",
+    select: Callable[[Tensor, Sparsity], Tensor] = topk_mask,
+) -> Tensor:
+    """A keep-mask that prunes every zero of ``weight``, then the smallest non-zero magnitudes
+    until ``target`` holds exactly (``init='from_zeros'``: fine-tuning a pruned model keeps it
+    pruned). ``select`` chooses the highest scores (an algorithm's own ``select``).
+
+    Raises:
+        ValueError: the zeros alone exceed ``target`` (more zeros than an unstructured target
+            prunes, or an N:M group with more than M-N zeros), so meeting it would revive
+            zeros; the message names the parameter and a sparsity that fits.
+
+    >>> w = torch.tensor([[0.0, 2.0, -1.0, 0.5]])
+    >>> from_zeros_mask(w, 0.5).int().tolist()
+    [[0, 1, 1, 0]]
+    """
+    nonzero = weight != 0
+    score = torch.where(nonzero, weight.abs(), torch.full_like(weight, -1.0))
+    mask = select(score, target)
+    if not bool((mask & ~nonzero).any()):
+        return mask
+    zeros = int((~nonzero).sum())
+    fits = math.ceil(zeros / weight.numel() * 1e4) / 1e4
+    if isinstance(target, NM):
+        crowded = nm_groups(~nonzero, target.m).sum(-1) > target.m - target.n
+        detail = (
+            f"{int(crowded.sum())} of its groups of {target.m} hold more than "
+            f"{target.m - target.n} zeros, which the pattern {target} cannot keep pruned"
+        )
+    else:
+        detail = (
+            f"{zeros} of its {weight.numel()} weights are zero, more than the target "
+            f"{describe(target)} prunes"
+        )
+    raise ValueError(
+        f"init='from_zeros': parameter {name!r}: {detail}; use a sparsity of at least {fits} "
+        f"(for gmp: initial_sparsity), or init='topk' to choose the mask by magnitude"
+    )

@@ -152,7 +152,8 @@ class Phase:
         algorithm: mask rule (``"static"``, ``"magnitude"``, ``"gmp"``, ``"set"``, ``"rigl"``,
             ``"runtime"`` or a registered name).
             Default: ``"static"`` for a float sparsity, ``"runtime"`` for N:M when available.
-        init: how the first mask is chosen: ``"topk"`` (largest magnitude) or ``"random"``.
+        init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``, or
+            ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model).
         seed: seed for random choices; derived per parameter name, so identical on every rank.
         update_every: optimizer steps between mask updates (dynamic algorithms).
         update_start: where updates start (same forms as ``until``); default: phase start.
@@ -192,9 +193,10 @@ class Phase:
     def __post_init__(self) -> None:
         self.target: Sparsity = parse_sparsity(self.sparsity)
         self.end = None if self.until is None else parse_boundary(self.until)
-        if self.init not in (None, "topk", "random"):
+        if self.init not in (None, "topk", "random", "from_zeros"):
             raise ValueError(
-                f"init={self.init!r}: use 'topk' (largest magnitude) or 'random'"
+                f"init={self.init!r}: use 'topk' (largest magnitude), 'random' or 'from_zeros' "
+                f"(keep the weight's existing zeros pruned)"
             )
         for name in ("update_every",):
             value = getattr(self, name)

@@ -40,16 +40,27 @@ from lightning_sparse.algorithms import (
     SparsityAlgorithm,
     build_algorithm,
 )
-from lightning_sparse.backends import BackendChoice, choose_backend
+from lightning_sparse.backends import (
+    BackendChoice,
+    choose_backend,
+    require_semi_structured,
+    validate_backend,
+)
 from lightning_sparse.backends.masked import (
     install_masked_forward,
     straight_through_unsupported,
     uninstall_forward,
 )
+from lightning_sparse.backends.semi_structured import (
+    NotTransposableError,
+    install_semi_structured_forward,
+)
+from lightning_sparse.backends.speed import SpeedCheck
 from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
 from lightning_sparse.optim_state import zero_optimizer_state
 from lightning_sparse.schedule import ResolvedPhase, phase_at
 from lightning_sparse.selection import ParamTarget
+from lightning_sparse.sharding import gather_full, shard_like
 
 STATE_VERSION = 1
 
@@ -71,8 +82,16 @@ class Sparsifier:
         targets: the parameters to sparsify (see :func:`~lightning_sparse.selection.select_parameters`).
         phases: the resolved schedule.
         run: run length, used by algorithms to place update windows.
-        backend: ``"auto"`` or ``"masked"`` (see :mod:`lightning_sparse.backends`).
+        backend: ``"auto"``, ``"masked"`` or ``"semi_structured"`` (see
+            :mod:`lightning_sparse.backends`); chosen per parameter and phase at construction.
         log: called with a message whenever the group changes phase or skips an update.
+        compute_dtype: the autocast dtype of the matmuls (``None``: the weights' own dtype).
+        verify_speed: with ``backend="auto"``, time each distinct layer shape once, sparse
+            against dense, and keep dense math where the sparse kernel is slower.
+
+    Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
+    shards like the parameter (see :mod:`lightning_sparse.sharding`); call every method on
+    every rank, as the gathers are collectives.
     """
 
     def __init__(
@@ -83,6 +102,8 @@ class Sparsifier:
         run: RunLength = UNKNOWN_RUN,
         backend: str = "auto",
         log: Callable[[str], None] = lambda message: None,
+        compute_dtype: torch.dtype | None = None,
+        verify_speed: bool = False,
     ) -> None:
         self.name = name
         self.targets = list(targets)
@@ -91,14 +112,24 @@ class Sparsifier:
         self.algorithms: dict[int, SparsityAlgorithm] = {
             p.index: build_algorithm(p, run) for p in self.phases if not p.spec.is_dense
         }
+        self.backend = validate_backend(backend, verify_speed)
+        speedup = SpeedCheck() if verify_speed else None
         self.backends: dict[tuple[int, str], BackendChoice] = {}
         for phase in self.phases:
             if phase.index in self.algorithms:
                 self._check_phase(phase, self.algorithms[phase.index])
                 for t in self.targets:
                     self.backends[phase.index, t.name] = choose_backend(
-                        backend, phase.target
+                        backend, phase.target, t.param, t.owners, compute_dtype, speedup
                     )
+        if backend == "semi_structured":
+            require_semi_structured(
+                [
+                    (f"phase {index + 1} {name}", choice.reason)
+                    for (index, name), choice in self.backends.items()
+                    if choice.name != "semi_structured"
+                ]
+            )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
         self.last_update_step = -1
@@ -113,7 +144,7 @@ class Sparsifier:
         for t in self.targets:
             if isinstance(phase.target, NM):
                 try:
-                    nm_groups(t.param.detach(), phase.target.m)
+                    nm_groups(torch.empty(t.param.shape, device="meta"), phase.target.m)
                 except ValueError as err:
                     raise ValueError(
                         f"{where}: sparsity '{phase.target}' is impossible for parameter {t.name!r}: "
@@ -161,7 +192,7 @@ class Sparsifier:
         algo = self.algorithm
         if algo is None:
             return
-        weights = {t.name: t.param.detach() for t in self.targets}
+        weights = {t.name: gather_full(t.param.detach()) for t in self.targets}
         targets = algo.layer_targets(step, weights, None)
         masks = {
             name: algo.initial_mask(
@@ -190,16 +221,18 @@ class Sparsifier:
         masks: dict[str, Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
         previous: dict[str, Tensor] | None,
+        zero_state: bool = True,
     ) -> None:
+        """Make ``masks`` (whole-tensor masks, identical on every rank) take effect. Stored masks
+        are laid out like their parameters (sharded for a DTensor); a straight-through forward
+        keeps the whole mask, since it runs on the gathered weight."""
         algo = self.algorithm
         assert algo is not None
+        stored = {}
         for t in self.targets:
-            new = masks[t.name]
-            if algo.projects:
-                install_masked_forward(t.module, project=algo.project)
-            elif algo.straight_through:
-                install_masked_forward(t.module, mask=new)
-            else:
+            new = stored[t.name] = shard_like(masks[t.name], t.param)
+            self._install_forward(t, algo, masks[t.name])
+            if not algo.straight_through:
                 old = None if previous is None else previous.get(t.name)
                 plain = (
                     type(t.param.detach()) is torch.Tensor and t.param.is_contiguous()
@@ -207,23 +240,64 @@ class Sparsifier:
                 if old is None or not plain:
                     t.param.mul_(new)
                     changed = ~new if old is None else old ^ new
-                else:  # pruned weights are zero, so zeroing the changed entries suffices
+                else:  # pruned weights are (signed) zeros: multiplying where the mask changed
+                    # gives what mul_(new) gives, bit for bit, at a fraction of the cost
                     changed = (old ^ new).view(-1).nonzero().squeeze(1)
-                    t.param.view(-1).index_fill_(0, changed, 0)
-                zero_optimizer_state(optimizers, t.param, changed)
-        self.masks = masks
+                    flat = t.param.view(-1)
+                    kept = new.view(-1).index_select(0, changed)
+                    flat.index_copy_(0, changed, flat.index_select(0, changed) * kept)
+                if zero_state:
+                    zero_optimizer_state(optimizers, t.param, changed)
+        self.masks = stored
         self._grad_lists.clear()
 
+    def _install_forward(
+        self, t: ParamTarget, algo: SparsityAlgorithm, mask: Tensor
+    ) -> None:
+        """Give ``t``'s layer the forward its backend needs (hard masks on the masked backend
+        need none: the pruned weights are stored as zeros)."""
+        assert self.current is not None
+        key = (self.current.index, t.name)
+        choice = self.backends[key]
+        if choice.name == "semi_structured":
+            try:
+                stored = None if algo.projects else mask
+                install_semi_structured_forward(t.module, choice.kernel, stored)
+                return
+            except NotTransposableError:
+                self._run_masked_instead(t, algo, key)
+        if algo.projects:
+            install_masked_forward(t.module, project=algo.project)
+        elif algo.straight_through:
+            install_masked_forward(t.module, mask=mask)
+
+    def _run_masked_instead(
+        self, t: ParamTarget, algo: SparsityAlgorithm, key: tuple[int, str]
+    ) -> None:
+        """A mask the kernels cannot run: an error if they were required, else masked math."""
+        why = (
+            f"algorithm {algo.name!r} gave {t.name!r} a 2:4 mask that is not transposable "
+            f"(at most 2 per row and column of each 4x4 tile), which the 2:4 kernels need"
+        )
+        if self.backend == "semi_structured":
+            raise ValueError(
+                f"[{self.name}] {why}: choose masks with SparsityAlgorithm.select, or use "
+                f"backend='auto' to run such masks with masked dense math"
+            )
+        self.backends[key] = BackendChoice("masked", why)
+        self.log(f"[{self.name}] {why}; it runs with masked dense math")
+        uninstall_forward(t.module)
+
     def current_mask(self, target: ParamTarget) -> Tensor | None:
-        """The mask the next forward uses (projected from the weight for ``runtime``)."""
+        """The mask the next forward uses (projected from the weight for ``runtime``), laid out
+        like the parameter."""
         algo = self.algorithm
         if algo is None:
             return None
-        return (
-            algo.project(target.param.detach())
-            if algo.projects
-            else self.masks[target.name]
-        )
+        if algo.projects:
+            weight = target.param.detach()
+            return shard_like(algo.project(gather_full(weight)), weight)
+        return self.masks[target.name]
 
     def before_optimizer_step(
         self,
@@ -239,7 +313,7 @@ class Sparsifier:
             return False
         updated = False
         if step != self.last_update_step and algo.is_update_step(step):
-            updated = self._update(step, algo, optimizers)
+            updated = self._update(step, algo, optimizer, optimizers)
         if not algo.straight_through:
             self.mask_gradients(optimizer)
         return updated
@@ -248,25 +322,29 @@ class Sparsifier:
         self,
         step: int,
         algo: SparsityAlgorithm,
+        optimizer: torch.optim.Optimizer,
         optimizers: Sequence[torch.optim.Optimizer],
     ) -> bool:
-        if not self._finite():
+        if not self._finite(optimizer):
             self.log(
                 f"[{self.name}] step {step}: mask update skipped: non-finite weights or gradients"
             )
             return False
-        weights = {t.name: t.param.detach() for t in self.targets}
-        targets = algo.layer_targets(step, weights, self.masks)
+        weights = {t.name: gather_full(t.param.detach()) for t in self.targets}
+        current = {t.name: gather_full(self.masks[t.name]) for t in self.targets}
+        targets = algo.layer_targets(step, weights, current)
         masks = {
             t.name: algo.update_mask(
                 weights[t.name],
-                self.masks[t.name],
+                current[t.name],
                 targets[t.name],
                 MaskContext(
                     t.name,
                     step,
                     algo.seed,
-                    None if t.param.grad is None else t.param.grad.detach(),
+                    None
+                    if t.param.grad is None
+                    else gather_full(t.param.grad.detach()),
                 ),
             )
             for t in self.targets
@@ -276,12 +354,13 @@ class Sparsifier:
         self.last_update_step = step
         return True
 
-    def _finite(self) -> bool:
-        tensors = [t.param for t in self.targets]
-        tensors += [t.param.grad for t in self.targets if t.param.grad is not None]
-        # aminmax is NaN if any entry is NaN, and +-inf if any entry is: one cheap reduction.
-        extremes = [torch.aminmax(x.detach()) for x in tensors]
-        return all(bool(low.isfinite() & high.isfinite()) for low, high in extremes)
+    def _finite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the group's weights and every gradient the optimizer will apply are finite: a
+        step that a GradScaler skips (any non-finite gradient) never updates a mask."""
+        weights = [t.param for t in self.targets]
+        in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = {id(p): p.grad for p in weights + in_optimizer if p.grad is not None}
+        return all(_all_finite(x.detach()) for x in [*weights, *grads.values()])
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Zero the gradients of pruned weights (one fused pass per dtype/device)."""
@@ -329,11 +408,14 @@ class Sparsifier:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU)."""
+        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU).
+
+        Masks of sharded parameters are gathered (a collective: call on every rank), so the
+        saved masks are whole tensors whatever the strategy."""
         masks = {}
         if self.algorithm is not None:
             for t in self.targets:
-                mask = self.current_mask(t)
+                mask = gather_full(self.current_mask(t))
                 masks[f"{t.name}_mask"] = mask.detach().to("cpu", copy=True)
         return {
             "version": STATE_VERSION,
@@ -346,7 +428,8 @@ class Sparsifier:
     def load_state_dict(
         self, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
     ) -> None:
-        """Restore a saved state exactly; errors name a missing or mis-shaped mask."""
+        """Restore a saved state exactly; errors name a missing or mis-shaped mask. Saved masks
+        are whole tensors, so a checkpoint resumes on any number of ranks, sharded or not."""
         self._leave()
         self.last_update_step = int(state.get("last_update_step", -1))
         self.history = [tuple(h) for h in state.get("history", [])]
@@ -381,7 +464,16 @@ class Sparsifier:
                 )
             masks[t.name] = mask.to(device=t.param.device, dtype=torch.bool)
         self.current = self.phases[index]
-        self._apply(masks, optimizers, previous=masks)
+        self._apply(masks, optimizers, previous=None, zero_state=False)
+
+
+def _all_finite(x: Tensor) -> bool:
+    if type(x) is not torch.Tensor or x.numel() == 0:  # sharded (DTensor) or empty
+        return bool(torch.isfinite(x).all())
+    low, high = torch.aminmax(
+        x
+    )  # NaN if any entry is NaN, +-inf if any is: one reduction
+    return bool(low.isfinite() & high.isfinite())
 
 
 def _index(phase: ResolvedPhase | None) -> int | None:

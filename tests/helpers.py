@@ -64,6 +64,18 @@ class TinyModule(L.LightningModule):
         )
 
 
+class CompiledTiny(TinyModule):
+    """TinyModule whose network runs through ``torch.compile`` (parameter names unchanged)."""
+
+    def __init__(self, backend=None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        object.__setattr__(self, "compiled", torch.compile(self.net, backend=backend))
+
+    def forward(self, x):
+        return self.compiled(x) if self.backend else self.net(x)
+
+
 def random_loader(
     n: int = 64, batch_size: int = 8, inputs: int = 8, seed: int = 0
 ) -> DataLoader:
@@ -121,3 +133,14 @@ class StepProbe(L.Callback):
         self.stored_zero_fraction[trainer.global_step] = float(
             (weight == 0).float().mean()
         )
+
+
+def pretend_gpu(
+    monkeypatch: Any, capability: tuple[int, int] = (8, 0), cusparselt: bool = True
+) -> None:
+    """Make the 2:4 capability rules see every parameter on a GPU of ``capability``; the
+    sparse layers then run their emulation (the parameters are still on the CPU)."""
+    from lightning_sparse.backends import capability as cap
+
+    monkeypatch.setattr(cap, "device_capability", lambda device: capability)
+    monkeypatch.setattr(cap, "cusparselt_available", lambda: cusparselt)

@@ -2,8 +2,13 @@ import pytest
 import torch
 
 from lightning_sparse.algorithms import MaskContext, build_algorithm
-from lightning_sparse.masks import NM, is_nm
+from lightning_sparse.masks import NM, is_nm, topk_mask
 from lightning_sparse.schedule import Phase, resolve_phases
+from lightning_sparse.tile_masks import (
+    is_transposable_2to4,
+    optimal_transposable_2to4_mask,
+    transposable_2to4_mask,
+)
 
 
 def algo_for(total=100, **phase):
@@ -84,8 +89,40 @@ def test_gmp_default_ramp_ends_at_three_quarters_of_phase():
 def test_runtime_projects_nm():
     algo = algo_for(sparsity="2:4")
     assert algo.name == "runtime" and algo.projects and algo.straight_through
-    mask = algo.project(torch.randn(8, 16))
-    assert is_nm(mask, NM(2, 4)) and int(mask.sum()) == 64
+    w = torch.randn(8, 16)
+    mask = algo.project(w)
+    # 2:4 on 4x4 tiles: the transposable greedy, the CUDA kernel's choice (~49% kept)
+    assert torch.equal(mask, transposable_2to4_mask(w)) and is_transposable_2to4(mask)
+    # other N:M targets and shapes: N largest |w| of every M along the input dimension
+    w = torch.randn(6, 16)
+    assert torch.equal(algo.project(w), topk_mask(w.abs(), NM(2, 4)))
+    assert int(algo_for(sparsity="1:4").project(torch.randn(8, 16)).sum()) == 32
+
+
+def test_2to4_masks_of_stored_mask_algorithms_are_transposable():
+    w = torch.randn(16, 32)
+    for algo in (
+        algo_for(sparsity="2:4", algorithm=a) for a in ("static", "magnitude")
+    ):
+        mask = algo.initial_mask(w, NM(2, 4), MaskContext("w", 0, 0))
+        # exactly 2 per row and column of every 4x4 tile: exactly 50%, and the best such
+        assert is_transposable_2to4(mask) and is_nm(mask, NM(2, 4))
+        assert int(mask.sum()) == w.numel() // 2
+        assert torch.equal(mask, optimal_transposable_2to4_mask(w))
+        updated = algo.update_mask(w, mask, NM(2, 4), MaskContext("w", 5, 0))
+        assert is_transposable_2to4(updated)
+    # any real scores: the highest total score per tile (shifting keeps the argmax)
+    score = torch.randn(8, 8)
+    assert torch.equal(
+        algo_for(sparsity="2:4", algorithm="static").select(score, NM(2, 4)),
+        optimal_transposable_2to4_mask(score - score.min()),
+    )
+    # a convolution (4-D) keeps N of every M along its input dimension
+    conv = torch.randn(8, 4, 2, 2)
+    assert torch.equal(
+        algo_for(sparsity="2:4", algorithm="static").select(conv.abs(), NM(2, 4)),
+        topk_mask(conv.abs(), NM(2, 4)),
+    )
 
 
 @pytest.mark.parametrize(

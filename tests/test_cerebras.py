@@ -95,6 +95,10 @@ def test_newer_static_with_param_filter_globs():
     assert spec["phases"] == [{"sparsity": 0.5, "init": "topk"}]
     _, record = train(SparsityCallback.from_config(config, verbose=False))
     assert record.kept[0]["sparsity"] == {"net.fc2.weight": 128}
+    (spec,) = translate(
+        {"type": "sideband", "sparsity": 0.5, "init_method": "from_zeros"}
+    )
+    assert spec["phases"] == [{"sparsity": 0.5, "init": "from_zeros"}]
 
 
 def test_newer_gmp_follows_the_sparsity_schedule_at_update_steps():
@@ -277,7 +281,7 @@ def test_groups_params_file_and_yaml_path(tmp_path):
         (
             {"algorithm": "rigl", "sparsity": 0.9, "init_method": "checkerboard"},
             ValueError,
-            r"init_method='checkerboard' is not supported; use one of \['random', 'topk'\]",
+            r"init_method='checkerboard' is not supported; use one of \['random', 'topk', 'from_zeros'\]",
         ),
         (
             {"algorithm": "rigl", "type": "rigl", "sparsity": 0.9},

@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, the saved mask format, export, and bad checkpoints."""
+"""Checkpoints: exact resume (also after a crash), the saved mask format, a checkpoint written
+on a mask-update step, export, and bad checkpoints."""
 
 import lightning as L
 import pytest
@@ -35,10 +36,10 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def run(tmp_path, stop_at=None, ckpt_path=None, every=None, seed=0):
+def run(tmp_path, stop_at=None, ckpt_path=None, every=None, seed=0, extra=()):
     L.seed_everything(seed, verbose=False)
     model = TinyModule(lr=0.05, weight_decay=0.1)
-    callbacks = [SparsityCallback(phases=PHASES, verbose=False)]
+    callbacks = [SparsityCallback(phases=PHASES, verbose=False), *extra]
     if stop_at:
         callbacks.append(StopAt(stop_at))
     if every:
@@ -47,6 +48,7 @@ def run(tmp_path, stop_at=None, ckpt_path=None, every=None, seed=0):
                 dirpath=tmp_path,
                 every_n_train_steps=every,
                 save_top_k=-1,
+                save_last=True,
                 filename="{step}",
             )
         )
@@ -76,6 +78,79 @@ def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, resume_step):
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
     assert cb.sparsifier.history == ref_cb.sparsifier.history
+
+
+class CrashAt(L.Callback):
+    """Raises in the middle of an epoch, as a failing node or a bug would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"simulated crash at step {self.step}")
+
+
+def test_resume_after_a_crash_mid_epoch_matches_the_uninterrupted_run(tmp_path):
+    reference, _, ref_cb = run(tmp_path / "ref")
+    # checkpoints after steps 3, 6, 9 (and last.ckpt); the crash hits step 11, the 4th batch of
+    # the 3rd epoch, after the gmp phase's updates and the change to a random-mask phase
+    with pytest.raises(RuntimeError, match="simulated crash at step 11"):
+        run(tmp_path / "ck", every=3, extra=[CrashAt(11)])
+    last = tmp_path / "ck" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 9
+    resumed, trainer, cb = run(tmp_path / "resumed", ckpt_path=last, seed=123)
+    assert trainer.global_step == 14
+    expected = weights(reference)
+    for key, value in weights(resumed).items():
+        assert torch.equal(expected[key], value), key
+    assert cb.sparsifier.history == ref_cb.sparsifier.history
+
+
+class MasksAt(L.Callback):
+    """After the SparsityCallback: the masks each optimizer step uses (after its update)."""
+
+    def __init__(self, cb):
+        self.cb = cb
+        self.masks = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        sp = self.cb.sparsifier
+        if sp.algorithm is not None:
+            self.masks[trainer.global_step] = {
+                f"{t.name}_mask": sp.current_mask(t).clone() for t in sp.targets
+            }
+
+
+@pytest.mark.parametrize("algorithm", ["magnitude", "gmp"])
+@pytest.mark.parametrize("checkpoint_first", [True, False])
+def test_checkpoint_on_an_update_step_holds_the_updated_masks(
+    tmp_path, algorithm, checkpoint_first
+):
+    # updates at steps 3 and 6; ModelCheckpoint saves after step 3 (global_step 4)
+    phases = [
+        {"sparsity": 0.6, "algorithm": algorithm, "update_every": 3, "until": 8},
+        {"sparsity": 0.0},
+    ]
+    cb = SparsityCallback(phases=phases, verbose=False)
+    probe = MasksAt(cb)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}"
+    )
+    callbacks = [ckpt, cb, probe] if checkpoint_first else [cb, probe, ckpt]
+    trainer = fast_trainer(max_steps=9, callbacks=callbacks, enable_checkpointing=True)
+    trainer.fit(TinyModule(lr=0.05), loader())
+    saved = torch.load(tmp_path / "step=4.ckpt", weights_only=False)
+    state = saved["callbacks"]["SparsityCallback{'name': 'sparsity'}"]
+    assert state["last_update_step"] == 3
+    before, after = probe.masks[2], probe.masks[3]
+    assert before.keys() == after.keys() == state["masks"].keys()
+    for key, mask in state["masks"].items():
+        assert torch.equal(mask, after[key]), key
+        assert not torch.equal(mask, before[key]), key  # the update changed it
+        if algorithm == "gmp":  # hard mask: the saved weights hold the zeros too
+            weight = saved["state_dict"][key.removesuffix("_mask")]
+            assert bool((weight[~mask] == 0).all())
 
 
 def test_checkpoint_holds_bool_masks_named_after_parameters(tmp_path):

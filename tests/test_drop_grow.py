@@ -19,6 +19,7 @@ from lightning_sparse.masks import NM, is_nm, keep_top, num_kept, topk_mask
 from lightning_sparse.schedule import Phase, resolve_phases
 from lightning_sparse.selection import select_parameters
 from lightning_sparse.sparsifier import Sparsifier
+from lightning_sparse.tile_masks import is_transposable_2to4
 
 
 def algo_for(total=100, **phase):
@@ -66,6 +67,34 @@ def test_drop_and_grow_invariants(rows, groups, target, fraction, seed):
     grown = new & ~survivors
     if grown.any() and (~new).any():
         assert grow[grown].min() >= grow[~new].max() or isinstance(target, NM)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tile_rows=st.integers(1, 4),
+    tile_cols=st.integers(1, 6),
+    fraction=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_transposable_2to4_stays_transposable(tile_rows, tile_cols, fraction, seed):
+    shape = (4 * tile_rows, 4 * tile_cols)
+    gen = torch.Generator().manual_seed(seed)
+    select = algo_for(sparsity="2:4", algorithm="rigl").select
+    mask = select(torch.rand(shape, generator=gen), NM(2, 4))
+    assert is_transposable_2to4(mask)
+    weight = torch.randn(shape, generator=gen) * mask
+    n_active = int(mask.sum())
+    n_drop = round(fraction * n_active)
+    new = drop_and_grow(
+        weight, torch.rand(shape, generator=gen), mask, n_drop, NM(2, 4), select
+    )
+    assert is_transposable_2to4(new)
+    tiles = new.reshape(tile_rows, 4, tile_cols, 4).sum((1, 3))
+    assert bool((tiles == 8).all()), "every tile keeps exactly 2 per row and column"
+    magnitude = weight.abs()[mask].sort().values
+    threshold = magnitude[n_drop - 1] if n_drop else -1.0
+    survivors = mask & (weight.abs() > threshold)
+    assert bool(new[survivors].all()), "survivors stay"
 
 
 def test_rigl_regrows_exactly_the_top_gradient_positions():
@@ -281,6 +310,7 @@ class MaskProbe(L.Callback):
             mask = sp.masks[t.name]
             target = targets[t.name]
             if isinstance(target, NM):
+                assert is_transposable_2to4(mask), "2:4 on 4x4 tiles stays transposable"
                 assert (
                     is_nm(mask, target)
                     and int(mask.sum()) * target.m == mask.numel() * target.n

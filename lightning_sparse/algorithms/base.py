@@ -38,8 +38,16 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.algorithms.distributions import check_distribution, spread
-from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
+from lightning_sparse.masks import (
+    NM,
+    Sparsity,
+    from_zeros_mask,
+    name_seed,
+    random_score,
+    topk_mask,
+)
 from lightning_sparse.schedule import ResolvedPhase, parse_boundary
+from lightning_sparse.tile_masks import has_4x4_tiles, optimal_transposable_2to4_mask
 
 
 @dataclass
@@ -198,23 +206,32 @@ class SparsityAlgorithm:
 
     # -- masks ------------------------------------------------------------------------------
     def select(self, score: Tensor, target: Sparsity) -> Tensor:
-        """Keep the highest-scoring weights so that ``target`` holds exactly."""
+        """Keep the highest-scoring weights so that ``target`` holds exactly.
+
+        ``2:4`` on a 2-D weight whose dimensions are multiples of 4 is *transposable*: in every
+        4x4 tile exactly 2 per row and 2 per column, the pattern with the highest total score
+        (so ``W.T`` is 2:4 too and 2:4 kernels can also run the backward matmul). Other N:M
+        targets and shapes: N of every M along the input dimension.
+        """
+        if target == NM(2, 4) and has_4x4_tiles(score):
+            # every candidate pattern keeps 8 of 16, so shifting the scores keeps the argmax
+            return optimal_transposable_2to4_mask(score - score.amin())
         return topk_mask(score, target)
 
     def selection_score(
         self, weight: Tensor, mask: Tensor | None, ctx: MaskContext
     ) -> Tensor:
         """What masks are chosen by. At the phase start (``mask`` is ``None``): the magnitude
-        (``init='topk'``) or a seeded random score (``init='random'``). At an update: the
-        magnitude of the kept weights, pruned ones scoring -1 (so pruning only removes).
-        The ``global`` distribution ranks the whole group by this score."""
-        if mask is None:
-            return (
-                ctx.random_score(weight)
-                if self.init == "random"
-                else weight.detach().abs()
-            )
-        return torch.where(mask, weight.detach().abs(), -1.0)
+        (``init='topk'``), a seeded random score (``init='random'``) or the magnitude with the
+        weight's zeros scoring -1 (``init='from_zeros'``). At an update: the magnitude of the
+        kept weights, pruned ones scoring -1 (so pruning only removes). The ``global``
+        distribution ranks the whole group by this score."""
+        if mask is None and self.init == "random":
+            return ctx.random_score(weight)
+        if mask is None and self.init == "topk":
+            return weight.detach().abs()
+        keep = weight != 0 if mask is None else mask
+        return torch.where(keep, weight.detach().abs(), -1.0)
 
     def layer_targets(
         self,
@@ -239,7 +256,11 @@ class SparsityAlgorithm:
     def initial_mask(
         self, weight: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
-        """The mask at phase start: the top of :meth:`selection_score` (magnitude or random)."""
+        """The mask at phase start: the top of :meth:`selection_score`: largest magnitude
+        (``init='topk'``), seeded random, or the weight's own zeros (``init='from_zeros'``,
+        see :func:`~lightning_sparse.masks.from_zeros_mask`)."""
+        if self.init == "from_zeros":
+            return from_zeros_mask(weight.detach(), target, ctx.name, self.select)
         return self.select(self.selection_score(weight, None, ctx), target)
 
     def update_mask(

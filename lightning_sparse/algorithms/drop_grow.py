@@ -7,7 +7,10 @@ at random, ``rigl`` (Evci et al., 2020) where the dense gradient is largest. Eac
 number of active weights (the phase's ``distribution`` sets the numbers at the phase start), so
 the target holds exactly after every update. In an ``"N:M"`` phase the drop picks the smallest
 active weights of the whole layer and every group of M regrows as many as it lost, inside the
-group, so exactly N stay in every group and the masks keep running on N:M kernels.
+group, so exactly N stay in every group and the masks keep running on N:M kernels. The regrowth
+goes through the algorithm's ``select``, so a ``"2:4"`` weight with both dimensions multiples of
+4 stays transposable (2 per row and per column of every 4x4 tile: each tile regrows, among the
+patterns that keep its survivors, the one with the highest grow scores).
 
 Semantics of an update step (the sparsifier runs it before the optimizer step):
 
@@ -37,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -57,6 +60,7 @@ from lightning_sparse.masks import (
     num_kept,
     sparsity_fraction,
     top_indices,
+    topk_mask,
 )
 from lightning_sparse.schedule import ResolvedPhase
 
@@ -69,11 +73,17 @@ DECAYS = {
 
 @torch.no_grad()
 def drop_and_grow(
-    weight: Tensor, grow_score: Tensor, mask: Tensor, n_drop: int, target: Sparsity
+    weight: Tensor,
+    grow_score: Tensor,
+    mask: Tensor,
+    n_drop: int,
+    target: Sparsity,
+    select: Callable[[Tensor, Sparsity], Tensor] = topk_mask,
 ) -> Tensor:
     """Drop the ``n_drop`` active entries of ``mask`` with the smallest ``|weight|`` and regrow
     the highest-``grow_score`` entries that are not active after the drop, so that ``target``
-    holds exactly (N:M: inside each group of M, as many as the group lost)."""
+    holds exactly. N:M: every group regrows as many as it lost, through ``select`` (an
+    algorithm's own, so a 2:4 layer that ``select`` makes transposable stays transposable)."""
     n_active = int(torch.count_nonzero(mask))
     if isinstance(target, NM):
         n_survivors = n_active - n_drop
@@ -82,7 +92,14 @@ def drop_and_grow(
         n_survivors = max(0, min(n_active, kept) - n_drop)
     survivors = _drop_smallest(weight.detach(), mask, n_active, n_active - n_survivors)
     if isinstance(target, NM):
-        return _regrow_in_groups(grow_score, survivors.reshape(mask.shape), target)
+        # survivors outscore everything (at most N per group, and a subset of a valid mask),
+        # then the best grow scores fill each group up
+        grow = grow_score.reshape(mask.shape)
+        low, high = torch.aminmax(grow)
+        bonus = 16 * (high - low) + 1
+        return select(
+            torch.where(survivors.view(mask.shape), bonus, grow - low), target
+        )
     survivors[top_indices(grow_score, kept - n_survivors, exclude=survivors)] = True
     return survivors.reshape(mask.shape)
 
@@ -102,27 +119,6 @@ def _drop_smallest(weight: Tensor, mask: Tensor, n_active: int, n_drop: int) -> 
         magnitude += (~flat_mask).to(weight.dtype) * torch.finfo(weight.dtype).max
         survivors[top_indices(magnitude, n_drop, largest=False)] = False
     return survivors
-
-
-def _regrow_in_groups(grow_score: Tensor, survivors: Tensor, target: NM) -> Tensor:
-    """Fill every group of M back up to N with the highest ``grow_score`` among its inactive
-    entries (ties: the earlier position wins)."""
-    # One contiguous row per position in the group: ranking by pairwise comparisons of rows
-    # is much faster on the CPU than a topk along a dimension of size M.
-    kept = survivors.reshape(-1, target.m).t().contiguous()
-    free = ~kept
-    scores = grow_score.reshape(-1, target.m).t().contiguous()
-    lost = target.n - kept.view(torch.uint8).sum(0, dtype=torch.uint8)
-    rank = torch.zeros(scores.shape, dtype=torch.uint8, device=scores.device)
-    for i in range(target.m):
-        for j in range(target.m):
-            if (
-                j != i
-            ):  # j beats i: a higher score, or the same score earlier in the group
-                beats = scores[j] > scores[i] if j > i else scores[j] >= scores[i]
-                rank[i].add_((beats & free[j]).view(torch.uint8))
-    grown = (rank < lost) & free
-    return (kept | grown).t().reshape(survivors.shape)
 
 
 class DropAndGrow(SparsityAlgorithm):
@@ -238,7 +234,7 @@ class DropAndGrow(SparsityAlgorithm):
         grow = self.grow_score(weight, mask, ctx)
         if grow is None:
             return mask
-        return drop_and_grow(weight, grow, mask, n_drop, target)
+        return drop_and_grow(weight, grow, mask, n_drop, target, self.select)
 
 
 @register_algorithm("set")

@@ -1,42 +1,96 @@
 """Backends decide how a masked weight is executed; they never decide which weights to drop.
 
-``"masked"``: dense math on a masked weight, any device. ``"semi_structured"``: 2:4 sparse tensor
-cores. ``"auto"``: per layer, the best backend the hardware, dtype and shape allow.
+``"masked"``: dense math on a masked weight, any device. ``"semi_structured"``: 2:4 sparse
+tensor cores (:mod:`~lightning_sparse.backends.semi_structured`). ``"auto"``: per layer,
+semi_structured where the hardware, dtype and shape allow it
+(:mod:`~lightning_sparse.backends.capability`), masked elsewhere; with ``verify_speed``, also
+masked where the sparse kernel is slower (:mod:`~lightning_sparse.backends.speed`).
+
+Example:
+    >>> from torch import nn
+    >>> from lightning_sparse.masks import NM
+    >>> layer = nn.Linear(256, 256)
+    >>> choose_backend("auto", 0.7, layer.weight, [("fc", layer, "weight")])
+    BackendChoice(name='masked', reason='70% has no sparse kernel', kernel=None)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor, nn
+
+from lightning_sparse.backends.capability import semi_structured_kernel
 from lightning_sparse.masks import NM, Sparsity, describe
 
 BACKEND_NAMES = ("auto", "masked", "semi_structured")
 
+Speedup = Callable[[Tensor, str, torch.dtype], float]
+"""``(weight, kernel, dtype) -> dense time / sparse time`` (see ``speed.SpeedCheck``)."""
+
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """The backend one parameter runs on in one phase, and why."""
+    """The backend one parameter runs on in one phase, why, and (semi_structured) the kernel."""
 
     name: str
     reason: str
+    kernel: str | None = None
 
 
-def validate_backend(name: object) -> str:
+def validate_backend(name: object, verify_speed: bool = False) -> str:
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend={name!r}; use one of {list(BACKEND_NAMES)}")
-    if name == "semi_structured":
+    if not isinstance(verify_speed, bool):
+        raise TypeError(f"verify_speed={verify_speed!r}; use True or False")
+    if verify_speed and name != "auto":
         raise ValueError(
-            "backend='semi_structured' is not available in this version: the 2:4 sparse "
-            "tensor-core backend has not landed yet; use backend='auto' or backend='masked', "
-            "which compute the same function with masked dense math"
+            f"verify_speed=True picks, per layer, between the sparse kernel and dense math, "
+            f"which backend={name!r} does not do; use backend='auto'"
         )
-    return name
+    return name  # type: ignore[return-value]
 
 
-def choose_backend(requested: str, target: Sparsity) -> BackendChoice:
-    """The backend for one parameter in a sparse phase with ``target`` sparsity."""
+def choose_backend(
+    requested: str,
+    target: Sparsity,
+    weight: Tensor,
+    owners: Sequence[tuple[str, nn.Module, str]],
+    compute_dtype: torch.dtype | None = None,
+    speedup: Speedup | None = None,
+) -> BackendChoice:
+    """The backend for ``weight`` (held by ``owners``) in a sparse phase with ``target``.
+
+    ``compute_dtype`` is the autocast dtype (``None``: the weight's own); ``speedup``, when
+    given, measures sparse against dense and keeps slower layers on masked dense math.
+    """
     if requested == "masked":
         return BackendChoice("masked", "requested")
     if target != NM(2, 4):
         return BackendChoice("masked", f"{describe(target)} has no sparse kernel")
-    return BackendChoice("masked", "2:4 kernel backend not available yet")
+    kernel, why = semi_structured_kernel(weight, owners, compute_dtype)
+    if kernel is None:
+        return BackendChoice("masked", why)
+    if speedup is not None:
+        ratio = speedup(weight, kernel, compute_dtype or weight.dtype)
+        if ratio < 1.0:
+            return BackendChoice(
+                "masked",
+                f"{why}: sparse {ratio:.2f}x dense, so kept dense (verify_speed)",
+            )
+        why = f"{why}, {ratio:.2f}x dense"
+    return BackendChoice("semi_structured", why, kernel)
+
+
+def require_semi_structured(offending: Sequence[tuple[str, str]]) -> None:
+    """Raise for ``backend='semi_structured'`` with each ``(where, why)`` it cannot run."""
+    if not offending:
+        return
+    lines = "\n".join(f"  {where}: {why}" for where, why in offending)
+    raise ValueError(
+        f"backend='semi_structured' cannot run these layers on 2:4 sparse tensor cores:\n"
+        f"{lines}\nUse backend='auto' to run them with masked dense math (the same function), "
+        f"or exclude them from params"
+    )

@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -58,9 +58,22 @@ class SparseForwardMixin:
     def sparse_weight(self) -> Tensor:
         weight = self.weight  # type: ignore[attr-defined]
         mask = (
-            self._ls_project(weight) if self._ls_project is not None else self._ls_mask
+            project_eagerly(self._ls_project, weight)
+            if self._ls_project is not None
+            else self._ls_mask
         )
         return straight_through_mask(weight, mask)
+
+
+@torch.compiler.disable
+def project_eagerly(project: Callable[[Tensor], Tensor], weight: Tensor) -> Tensor:
+    """``project(weight)`` outside any compiled graph.
+
+    A projection is a pure function of the weight's values (sorting networks, table lookups)
+    that ``torch.compile`` would retrace and split at every step; run eagerly, only the
+    masked matmul is compiled.
+    """
+    return project(weight.detach())
 
 
 class MaskedLinear(SparseForwardMixin, nn.Linear):
@@ -95,17 +108,24 @@ _MASKED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
 
 def straight_through_unsupported(module: nn.Module, attr: str) -> str | None:
     """Why ``module.attr`` cannot run a straight-through forward, or ``None`` if it can."""
+    return forward_unsupported(module, attr, _MASKED_CLASSES)
+
+
+def forward_unsupported(
+    module: nn.Module, attr: str, classes: Mapping[type[nn.Module], type[nn.Module]]
+) -> str | None:
+    """Why ``module.attr`` cannot get one of the sparse forwards in ``classes`` (a map from a
+    base layer class to its sparse subclass), or ``None`` if it can."""
     if attr != "weight":
-        return f"straight-through masking applies to layer weights, not {type(module).__name__}.{attr}"
-    if isinstance(module, SparseForwardMixin):
-        return None
-    cls = type(module)
-    for base in _MASKED_CLASSES:
-        if isinstance(module, base):
+        return f"a sparse forward applies to layer weights, not {type(module).__name__}.{attr}"
+    cls = original_class(module)
+    for base in classes:
+        if issubclass(cls, base):
             if cls.forward is not base.forward:
-                return f"{cls.__name__} overrides forward(), so a masked forward would bypass it"
+                return f"{cls.__name__} overrides forward(), so a sparse forward would bypass it"
             return None
-    return f"{cls.__name__} is not a Linear or Conv layer"
+    names = " or ".join(base.__name__ for base in classes)
+    return f"{cls.__name__} is not a {names} layer"
 
 
 def install_masked_forward(
@@ -114,38 +134,62 @@ def install_masked_forward(
     project: Callable[[Tensor], Tensor] | None = None,
 ) -> None:
     """Make ``module`` compute with ``weight * mask`` (or ``weight * project(weight)``)."""
-    if not isinstance(module, SparseForwardMixin):
-        reason = straight_through_unsupported(module, "weight")
-        if reason is not None:
-            raise TypeError(reason)
-        original = type(module)
-        base = next(b for b in _MASKED_CLASSES if isinstance(module, b))
-        module.__class__ = _swapped_class(original, _MASKED_CLASSES[base])
-        module._ls_original_class = original
+    swap_forward(module, _MASKED_CLASSES, mask=mask, project=project)
+
+
+def swap_forward(
+    module: nn.Module,
+    classes: Mapping[type[nn.Module], type[nn.Module]],
+    mask: Tensor | None = None,
+    project: Callable[[Tensor], Tensor] | None = None,
+) -> None:
+    """Give ``module`` the sparse forward that ``classes`` maps its base class to.
+
+    Only ``module.__class__`` changes (to a subclass of both the original class and the
+    sparse one), so the module object, its Parameters and its ``state_dict`` keys stay the
+    same. A module that already has a sparse forward is re-swapped if ``classes`` differ.
+    """
+    original = original_class(module)
+    reason = forward_unsupported(module, "weight", classes)
+    if reason is not None:
+        raise TypeError(reason)
+    base = next(b for b in classes if issubclass(original, b))
+    module.__class__ = _swapped_class(original, base, classes[base])
+    module._ls_original_class = original
     module._ls_mask = mask
     module._ls_project = project
+
+
+def original_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` had before any sparse forward was installed."""
+    return module.__dict__.get("_ls_original_class", type(module))
 
 
 _SWAPPED: dict[tuple[type, type], type] = {}
 
 
 def _swapped_class(
-    original: type[nn.Module], masked: type[nn.Module]
+    original: type[nn.Module], base: type[nn.Module], sparse: type[nn.Module]
 ) -> type[nn.Module]:
-    """The masked class for ``original`` (a subclass of both, so isinstance checks still hold)."""
-    if original in _MASKED_CLASSES:
-        return masked
-    key = (original, masked)
+    """The sparse class for ``original`` (a subclass of both, so isinstance checks still hold).
+
+    For a subclass ``MyLinear`` of ``nn.Linear`` and ``sparse=MaskedLinear`` it is
+    ``MaskedMyLinear(MaskedLinear, MyLinear)``, created once and reused.
+    """
+    if original is base:
+        return sparse
+    key = (original, sparse)
     if key not in _SWAPPED:
-        _SWAPPED[key] = type(f"Masked{original.__name__}", (masked, original), {})
+        name = sparse.__name__.replace(base.__name__, original.__name__)
+        _SWAPPED[key] = type(name, (sparse, original), {})
     return _SWAPPED[key]
 
 
 def uninstall_forward(module: nn.Module) -> None:
-    """Restore the module's original class (and drop the mask reference)."""
-    original = getattr(module, "_ls_original_class", None)
+    """Restore the module's original class (and drop the mask and other ``_ls_`` state)."""
+    original = module.__dict__.get("_ls_original_class")
     if original is None:
         return
     module.__class__ = original
-    for attr in ("_ls_mask", "_ls_project", "_ls_original_class"):
-        module.__dict__.pop(attr, None)
+    for attr in [name for name in module.__dict__ if name.startswith("_ls_")]:
+        del module.__dict__[attr]

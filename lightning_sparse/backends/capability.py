@@ -1,0 +1,133 @@
+"""Can a layer run on 2:4 sparse tensor cores? The rules, read from the installed torch.
+
+``torch.backends.cusparselt.is_available()`` only says that the build ships cuSPARSELt; it is
+``True`` on a machine without a GPU. So every rule here looks at the parameter's own device:
+
+- a CUDA device (not ROCm) of compute capability 8.0 (Ampere) or newer;
+- a plain ``nn.Linear`` weight (2-D, not shared by several modules, not a sharded DTensor);
+- a float16 or bfloat16 matmul: the weight's dtype, or the autocast dtype of
+  ``precision="16-mixed"`` / ``"bf16-mixed"``; without autocast the bias has the weight's dtype;
+- a shape the kernels take. ``torch._sparse_semi_structured_tile`` (the runtime 2:4 projection
+  that packs ``W`` and ``W.T``) needs both dimensions to be multiples of 128 in cuSPARSELt
+  format; its CUTLASS format (sm8x only: torch's CUTLASS 2:4 kernels are built for Ampere)
+  needs multiples of 32 rows and 64 columns for ``W`` and for ``W.T``, so 64 for both.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_sparse.backends.capability import semi_structured_kernel
+    >>> fc = nn.Linear(256, 128)
+    >>> kernel, why = semi_structured_kernel(fc.weight, [("fc", fc, "weight")], torch.bfloat16)
+    >>> kernel is None and why in ("no CUDA GPU", "parameter on cpu, not on a CUDA GPU")
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sparse.backends.masked import forward_unsupported
+
+AMPERE = (8, 0)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+CUSPARSELT_MULTIPLE = 128  # both dimensions, for the tile op's cuSPARSELt metadata
+CUTLASS_MULTIPLE = 64  # both dimensions: W is 32x64-aligned, and so is W.T
+_AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_LINEAR_ONLY = {nn.Linear: nn.Linear}
+
+
+def autocast_dtype(precision: str | None) -> torch.dtype | None:
+    """The dtype a Lightning ``precision`` setting runs matmuls in under autocast, or ``None``
+    when it does not autocast (the weights' own dtype is used).
+
+    Example:
+        >>> autocast_dtype("bf16-mixed"), autocast_dtype("bf16-true"), autocast_dtype(None)
+        (torch.bfloat16, None, None)
+    """
+    return _AUTOCAST_DTYPES.get(str(precision)) if precision is not None else None
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | str:
+    """The CUDA compute capability of ``device``, or why it has none."""
+    if torch.version.hip is not None:
+        return "ROCm build: the 2:4 kernels used here are NVIDIA-only"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if device.type != "cuda":
+        return f"parameter on {device}, not on a CUDA GPU"
+    return torch.cuda.get_device_capability(device)
+
+
+def cusparselt_available() -> bool:
+    """Whether this torch build ships cuSPARSELt (says nothing about the GPU)."""
+    return torch.backends.cusparselt.is_available()
+
+
+def semi_structured_kernel(
+    weight: Tensor,
+    owners: Sequence[tuple[str, nn.Module, str]],
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[str | None, str]:
+    """``(kernel, reason)``: the 2:4 tensor format that can run this weight's matmuls
+    (``"cusparselt"`` or ``"cutlass"``) and a short description, or ``(None, why not)``.
+
+    Args:
+        weight: the parameter.
+        owners: ``(module name, module, attribute)`` for each module holding it.
+        compute_dtype: the autocast dtype, or ``None`` for the weight's own dtype.
+    """
+    if len(owners) != 1:
+        return None, "shared by several modules (tied weights)"
+    _, module, attr = owners[0]
+    reason = forward_unsupported(module, attr, _LINEAR_ONLY)
+    if reason is not None:
+        return None, reason
+    if type(weight.data) is not torch.Tensor:
+        kind = type(weight.data).__name__
+        return None, f"a {kind}, not a plain tensor (e.g. sharded by FSDP2)"
+    capability = device_capability(weight.device)
+    if isinstance(capability, str):
+        return None, capability
+    if capability < AMPERE:
+        return None, (
+            f"compute capability {capability[0]}.{capability[1]}: 2:4 sparse tensor cores "
+            f"need 8.0 (Ampere) or newer"
+        )
+    dtype = compute_dtype or weight.dtype
+    if dtype not in HALF_DTYPES:
+        return None, (
+            f"matmuls in {_name(dtype)}: the 2:4 kernels need float16 or bfloat16 weights "
+            f"or autocast (precision='bf16-mixed')"
+        )
+    bias = getattr(module, "bias", None)
+    if compute_dtype is None and bias is not None and bias.dtype != dtype:
+        return None, f"bias is {_name(bias.dtype)} but the weight is {_name(dtype)}"
+    arch = f"sm{capability[0]}{capability[1]}, {_name(dtype)}"
+    if cusparselt_available() and _multiples(weight, CUSPARSELT_MULTIPLE):
+        return "cusparselt", f"cuSPARSELt, {arch}"
+    sm8x = capability[0] == 8
+    if sm8x and _multiples(weight, CUTLASS_MULTIPLE):
+        return "cutlass", f"CUTLASS, {arch}"
+    cusparselt = (
+        f"cuSPARSELt needs both dimensions multiples of {CUSPARSELT_MULTIPLE}"
+        if cusparselt_available()
+        else "this torch build has no cuSPARSELt"
+    )
+    cutlass = (
+        f"CUTLASS needs multiples of {CUTLASS_MULTIPLE}"
+        if sm8x
+        else "CUTLASS 2:4 kernels are sm8x only"
+    )
+    rows, cols = weight.shape
+    return None, f"no 2:4 kernel for shape {rows}x{cols}: {cusparselt}; {cutlass}"
+
+
+def _multiples(weight: Tensor, multiple: int) -> bool:
+    return all(size % multiple == 0 for size in weight.shape)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,97 @@
+"""``verify_speed``: time a Linear's sparse and dense forward+backward once per distinct shape.
+
+Real 2:4 GEMM gains range from below 1x to about 1.4x depending on the shape, so with
+``SparsityCallback(backend="auto", verify_speed=True)`` a layer whose sparse kernel is slower
+than its dense matmul keeps running dense math (masked, the same function).
+
+The measurement is a training step's worth of one layer: ``tokens`` rows of random input in the
+matmul dtype, forward then backward (input and weight gradients), the runtime 2:4 projection
+included, the best of a few rounds after a warm-up.
+
+Example (``measure_speedup`` on the CPU times the emulation; it is meaningful on a GPU only):
+    >>> import torch
+    >>> ratio = measure_speedup((64, 64), torch.float32, "emulated", torch.device("cpu"), tokens=32)
+    >>> ratio > 0
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_sparse.backends.semi_structured import semi_structured_linear
+
+VERIFY_TOKENS = 8192
+_ROUNDS, _CALLS, _WARMUP = 3, 5, 3
+
+
+def measure_speedup(
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    kernel: str,
+    device: torch.device,
+    tokens: int = VERIFY_TOKENS,
+) -> float:
+    """Dense time / sparse time of forward+backward for a Linear weight of ``shape``."""
+    out_features, in_features = shape
+    gen = {"device": device, "dtype": dtype}
+    x = torch.randn(tokens, in_features, **gen, requires_grad=True)
+    weight = torch.randn(out_features, in_features, **gen, requires_grad=True)
+    grad = torch.randn(tokens, out_features, **gen)
+
+    def dense() -> None:
+        F.linear(x, weight).backward(grad)
+
+    def sparse() -> None:
+        semi_structured_linear(x, weight, None, kernel).backward(grad)
+
+    return _seconds(dense, device) / _seconds(sparse, device)
+
+
+def _seconds(step: Callable[[], None], device: torch.device) -> float:
+    for _ in range(_WARMUP):
+        step()
+    best = float("inf")
+    for _ in range(_ROUNDS):
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(_CALLS):
+            step()
+        _synchronize(device)
+        best = min(best, (time.perf_counter() - start) / _CALLS)
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeedCheck:
+    """Sparse-vs-dense speed ratios, measured once per (shape, dtype, kernel, device).
+
+    Example:
+        >>> check = SpeedCheck(tokens=32)
+        >>> w = torch.zeros(64, 64)
+        >>> check(w, "emulated", torch.float32) == check(w, "emulated", torch.float32)
+        True
+        >>> len(check.results)
+        1
+    """
+
+    def __init__(self, tokens: int = VERIFY_TOKENS) -> None:
+        self.tokens = tokens
+        self.results: dict[tuple, float] = {}
+
+    def __call__(self, weight: Tensor, kernel: str, dtype: torch.dtype) -> float:
+        key = (tuple(weight.shape), dtype, kernel, weight.device)
+        if key not in self.results:
+            self.results[key] = measure_speedup(
+                key[0], dtype, kernel, weight.device, self.tokens
+            )
+        return self.results[key]

@@ -1,0 +1,188 @@
+"""One rank of a 2-process CPU job (started by ``tests/multiprocess.py``).
+
+For each strategy in ``strategies`` (``"ddp"``, or ``"fsdp2"``: Lightning's
+``ModelParallelStrategy`` with ``fully_shard`` on every Linear layer), runs a full ``fit`` with a
+checkpoint at ``checkpoint_step``, then a second ``fit`` that resumes from it, and records, per
+optimizer step, a hash of every mask as this rank sees it (after the step's mask update), plus a
+hash of the final weights. One job serves every strategy: starting processes is the slow part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from helpers import RepeatedBatch, TinyModule, fast_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_sparse import SparsityCallback, export_state_dict
+from lightning_sparse.masks import topk_mask
+from lightning_sparse.schedule import Phase, resolve_phases
+from lightning_sparse.selection import select_parameters
+from lightning_sparse.sharding import gather_full, is_sharded
+from lightning_sparse.sparsifier import Sparsifier
+
+
+class ShardedTinyModule(TinyModule):
+    """TinyModule sharded with FSDP2: every Linear layer, then the root."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for module in self.net.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+class RankBatches(RepeatedBatch):
+    """Every batch of a rank is the same, and each rank has its own: so gradients differ between
+    ranks before DDP/FSDP averages them, and a resume mid-epoch sees the batches of the
+    uninterrupted run (Lightning restarts the epoch's loader; see DESIGN.md pitfalls)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(n=32, batch_size=8)
+        self.x = self.x + rank
+
+
+def tensor_hash(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(str((tuple(data.shape), data.dtype)).encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class RankRNG(L.Callback):
+    """Re-seeds the global RNG per rank and per run once training starts (after Lightning's own
+    re-seeding with the global seed, which would otherwise keep the ranks in step)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch.manual_seed(1000 + 10 * trainer.global_rank + (trainer.global_step > 0))
+
+
+class MaskHashes(L.Callback):
+    """Placed after the SparsityCallback: records the masks after each step's update, and the
+    export of the model at that point."""
+
+    def __init__(self, sparsity: SparsityCallback) -> None:
+        self.sparsity = sparsity
+        self.steps: dict[int, dict[str, Any]] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        sp = self.sparsity.sparsifier
+        masks = sp.state_dict()["masks"]  # whole masks (gathered when sharded)
+        self.steps[trainer.global_step] = {
+            "phase": None if sp.current is None else sp.current.index,
+            "masks": {k: tensor_hash(m) for k, m in sorted(masks.items())},
+            "kept": {k: int(m.sum()) for k, m in sorted(masks.items())},
+            "sharded": any(is_sharded(t.param) for t in sp.targets),
+            # what a user exporting now would get (gathered and folded on every rank)
+            "export": {
+                k: tensor_hash(v) for k, v in export_state_dict(trainer).items()
+            },
+        }
+
+
+def fit(
+    cfg: dict[str, Any], strategy_name: str, out: Path, ckpt_path: str | None
+) -> dict[str, Any]:
+    rank = int(os.environ["LOCAL_RANK"])
+    # Every rank builds the same model (FSDP2 does not broadcast: each rank keeps its shards of
+    # its own copy) and sees the same data order; RankRNG then makes the global RNG differ per
+    # rank, so a mask that depended on it (instead of the weights, gradients and name-derived
+    # seeds) would differ between ranks, and between a run and its resume.
+    L.seed_everything(cfg["seed"])
+    if strategy_name == "ddp":
+        model: TinyModule = TinyModule(lr=0.05)
+        strategy: Any = "ddp"
+    else:
+        model = ShardedTinyModule(lr=0.05)
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    sparsity = SparsityCallback(
+        phases=cfg["phases"]
+    )  # verbose: the summary gathers too
+    hashes = MaskHashes(sparsity)
+    ckpt = ModelCheckpoint(
+        dirpath=out / "ckpt",
+        every_n_train_steps=cfg["checkpoint_step"],
+        save_top_k=-1,
+        filename="{step}",
+    )
+    trainer = fast_trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=cfg["max_steps"],
+        callbacks=[RankRNG(), sparsity, hashes, ckpt],
+        enable_checkpointing=True,
+        deterministic=True,
+        use_distributed_sampler=False,  # RankBatches splits the data
+    )
+    data = DataLoader(RankBatches(rank), batch_size=8)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    full = {name: gather_full(p).detach().cpu() for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(full, out / "final_weights.pt")
+    weights = {name: tensor_hash(value) for name, value in full.items()}
+    return {
+        "steps": hashes.steps,
+        "weights": weights,
+        "history": sparsity.sparsifier.history,
+    }
+
+
+def odd_shards() -> dict[str, Any]:
+    """Masks on shards split along dim 1, or unevenly (5 rows over 2 ranks), equal the
+    whole-tensor top-k, for a hard mask and a straight-through one."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 5), nn.Linear(5, 2))
+    fully_shard(net[0], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    fully_shard(net[2])  # Shard(0): 3 rows on rank 0, 2 on rank 1
+    fully_shard(net)
+    report = {}
+    for phase in (Phase(sparsity=0.55), Phase(sparsity=0.45, algorithm="magnitude")):
+        targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+        sparsifier = Sparsifier("odd", targets, resolve_phases([phase], 10))
+        sparsifier.on_step_start(0, [])
+        saved = sparsifier.state_dict()["masks"]
+        for t in targets:
+            expected = topk_mask(gather_full(t.param.detach()).abs(), phase.target)
+            report[f"{phase.algorithm} {t.name}"] = {
+                "equal": bool(torch.equal(saved[f"{t.name}_mask"], expected.cpu())),
+                "local_shape": list(sparsifier.masks[t.name].to_local().shape),
+                "placements": str(t.param.placements),
+            }
+        sparsifier.close()
+    return report
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    report: dict[str, Any] = {}
+    for strategy in cfg["strategies"]:
+        out = Path(cfg["out"]) / strategy
+        ckpt = out / "ckpt" / f"step={cfg['checkpoint_step']}.ckpt"
+        report[strategy] = {
+            "full": fit(cfg, strategy, out, None),
+            "resumed": fit(cfg, strategy, out / "resumed", str(ckpt)),
+        }
+    if "fsdp2" in cfg["strategies"]:
+        report["odd_shards"] = odd_shards()
+    rank = int(os.environ["LOCAL_RANK"])
+    (Path(cfg["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

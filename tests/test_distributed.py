@@ -1,0 +1,232 @@
+"""DDP and FSDP2 on 2 CPU processes (gloo): masks are identical on every rank, without ever being
+broadcast, after every kind of mask update and after a resume; FSDP2 masks on sharded parameters
+equal the DDP masks at every step.
+
+One 2-process job runs, for each strategy, every phase below in sequence (STEPS optimizer steps
+each), checkpoints inside the ``magnitude`` phase, and resumes from there. Phases whose algorithm or
+distribution is not registered yet are left out of the job (and reported by a skipped test), so
+``set``/``rigl``/``global``/``erk`` are covered as soon as they land.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from distributed_worker import tensor_hash
+from helpers import TinyModule, random_loader
+from lightning.pytorch.strategies import FSDPStrategy
+from multiprocess import run_workers
+
+from lightning_sparse import SparsityCallback
+from lightning_sparse.algorithms import build_algorithm, registered_algorithms
+from lightning_sparse.schedule import Phase, resolve_phases
+from lightning_sparse.selection import select_parameters
+from lightning_sparse.sparsifier import Sparsifier
+
+STEPS = 3  # optimizer steps per phase
+SEED = 0
+# (label, phase, whether its masks must change within the phase)
+ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
+    ("static topk", {"sparsity": 0.5}, False),
+    (
+        "magnitude",
+        {"sparsity": 0.6, "algorithm": "magnitude", "update_every": 1},
+        True,
+    ),
+    ("gmp", {"sparsity": 0.7, "algorithm": "gmp", "update_every": 1}, True),
+    ("static random", {"sparsity": 0.6, "init": "random", "seed": 7}, False),
+    ("runtime 2:4", {"sparsity": "2:4"}, True),
+    (
+        "set",
+        {"sparsity": 0.5, "algorithm": "set", "update_every": 1, "drop_fraction": 0.3},
+        True,
+    ),
+    (
+        "rigl",
+        {"sparsity": 0.5, "algorithm": "rigl", "update_every": 1, "drop_fraction": 0.3},
+        True,
+    ),
+    ("global", {"sparsity": 0.6, "distribution": "global"}, False),
+    ("erk", {"sparsity": 0.6, "distribution": "erk"}, False),
+]
+
+
+def missing(phase: dict[str, Any]) -> str | None:
+    """What a phase needs that is not registered yet, or None if it can run."""
+    algorithm = phase.get("algorithm")
+    if algorithm is not None and algorithm not in registered_algorithms():
+        return f"algorithm {algorithm!r}"
+    try:
+        build_algorithm(resolve_phases([Phase.from_any(phase)], total_steps=10)[0])
+    except ValueError as err:
+        if "distribution" in phase and "distribution" in str(err):
+            return f"distribution {phase['distribution']!r}"
+        raise
+    return None
+
+
+def plan() -> tuple[list[tuple[str, dict[str, Any], bool]], list[str]]:
+    runnable, pending = [], []
+    for label, phase, dynamic in ENTRIES:
+        need = missing(phase)
+        if need is None:
+            runnable.append((label, phase, dynamic))
+        else:
+            pending.append(f"{label} ({need} not registered)")
+    return runnable, pending
+
+
+def job_config() -> dict[str, Any]:
+    runnable, _ = plan()
+    phases = [
+        {**phase, "until": STEPS * (i + 1)} for i, (_, phase, _) in enumerate(runnable)
+    ]
+    phases.append({"sparsity": 0.0})
+    labels = [label for label, _, _ in runnable]
+    magnitude = labels.index("magnitude")
+    return {
+        "phases": phases,
+        "max_steps": STEPS * (len(runnable) + 1),
+        # inside the magnitude phase, after an update and just before the next one
+        "checkpoint_step": STEPS * magnitude + 2,
+        "seed": SEED,
+    }
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    return job_config()
+
+
+@pytest.fixture(scope="module")
+def job(config, tmp_path_factory) -> list[dict[str, Any]]:
+    """Each rank's report of the one 2-process job (DDP runs, then FSDP2 runs)."""
+    config = {**config, "strategies": ["ddp", "fsdp2"]}
+    return run_workers(config, tmp_path_factory.mktemp("job"))
+
+
+@pytest.fixture(scope="module")
+def ddp(job) -> list[dict[str, Any]]:
+    return [report["ddp"] for report in job]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(job) -> list[dict[str, Any]]:
+    return [report["fsdp2"] for report in job]
+
+
+def single_process_initial_masks(config: dict[str, Any]) -> dict[str, str]:
+    """The step-0 masks computed on one process from the same initial model."""
+    L.seed_everything(config["seed"], verbose=False)
+    model = TinyModule(lr=0.05)
+    phases = resolve_phases(
+        [Phase.from_any(p) for p in config["phases"]], config["max_steps"]
+    )
+    sparsifier = Sparsifier("sparsity", select_parameters(model).targets, phases)
+    sparsifier.on_step_start(0, [])
+    masks = sparsifier.state_dict()["masks"]
+    return {k: tensor_hash(m) for k, m in sorted(masks.items())}
+
+
+def check_job(reports: list[dict[str, Any]], config: dict[str, Any]) -> None:
+    """Every rank saw the same masks at every step, in the full run and after the resume."""
+    total, resume = config["max_steps"], config["checkpoint_step"]
+    rank0, rank1 = reports
+    assert sorted(map(int, rank0["full"]["steps"])) == list(range(total))
+    assert sorted(map(int, rank0["resumed"]["steps"])) == list(range(resume, total))
+    for run in ("full", "resumed"):
+        assert rank0[run]["steps"] == rank1[run]["steps"], run
+        assert rank0[run]["weights"] == rank1[run]["weights"], run
+    # the resumed run continues exactly as the uninterrupted one
+    full, resumed = rank0["full"]["steps"], rank0["resumed"]["steps"]
+    for step in range(resume, total):
+        assert resumed[str(step)] == full[str(step)], f"step {step}"
+    assert rank0["resumed"]["weights"] == rank0["full"]["weights"]
+    assert rank0["full"]["steps"]["0"]["masks"] == single_process_initial_masks(config)
+    # the job exercised real updates: dynamic phases changed their masks
+    runnable, _ = plan()
+    for i, (label, _, dynamic) in enumerate(runnable):
+        first, last = full[str(STEPS * i)], full[str(STEPS * i + STEPS - 1)]
+        assert first["phase"] == last["phase"] == i, label
+        assert first["masks"], label
+        if dynamic:
+            assert first["masks"] != last["masks"], f"{label}: masks never changed"
+    assert full[str(total - 1)]["masks"] == {}  # the last phase is dense
+
+
+def without_layout(steps: dict[str, Any]) -> dict[str, Any]:
+    return {
+        step: {k: v for k, v in record.items() if k != "sharded"}
+        for step, record in steps.items()
+    }
+
+
+def test_ddp_masks_are_identical_on_every_rank_and_after_resume(ddp, config):
+    assert not any(step["sharded"] for step in ddp[0]["full"]["steps"].values())
+    check_job(ddp, config)
+
+
+def test_fsdp2_masks_on_sharded_parameters_match_ddp_at_every_step(fsdp2, ddp, config):
+    steps = fsdp2[0]["full"]["steps"]
+    assert all(step["sharded"] for step in steps.values())  # parameters were DTensors
+    check_job(fsdp2, config)
+    # a mask chosen on local shards alone would differ from the whole-tensor choice of DDP
+    for run in ("full", "resumed"):
+        assert without_layout(fsdp2[0][run]["steps"]) == without_layout(
+            ddp[0][run]["steps"]
+        ), run
+        assert fsdp2[0][run]["weights"] == ddp[0][run]["weights"], run
+
+
+def test_fsdp2_masks_on_uneven_and_column_shards_equal_whole_tensor_topk(job):
+    for rank, report in enumerate(job):
+        shards = report["odd_shards"]
+        assert all(entry["equal"] for entry in shards.values()), shards
+        for algorithm in ("static", "magnitude"):
+            columns, rows = (
+                shards[f"{algorithm} 0.weight"],
+                shards[f"{algorithm} 2.weight"],
+            )
+            assert columns["local_shape"] == [6, 4]
+            assert columns["placements"] == "(Shard(dim=1),)"
+            assert rows["local_shape"] == [[3, 6], [2, 6]][rank]
+            assert rows["placements"] == "(Shard(dim=0),)"
+
+
+def test_pending_phase_entries_are_reported():
+    _, pending = plan()
+    if pending:
+        pytest.skip(
+            f"left out of the DDP/FSDP2 jobs until registered: {', '.join(pending)}"
+        )
+
+
+FSDP1_ERROR = r"FSDPStrategy \(strategy='fsdp', FSDP1\).*Use ModelParallelStrategy"
+
+
+def test_fsdp1_strategy_is_refused_with_the_fix():
+    # Lightning runs strategy='fsdp' only on CUDA; the check itself needs no GPU.
+    trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(TypeError, match=FSDP1_ERROR):
+        SparsityCallback(sparsity=0.5).setup(trainer, TinyModule(), "fit")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp1_strategy_is_refused_by_a_real_trainer():
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy="fsdp",
+        max_steps=1,
+        callbacks=[SparsityCallback(sparsity=0.5, verbose=False)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(TypeError, match=FSDP1_ERROR):
+        trainer.fit(TinyModule(), random_loader())

@@ -1,0 +1,196 @@
+"""The 2:4 kernels on a GPU (sm80+): kernel vs emulation, training through a phase switch,
+resume, torch.compile and verify_speed. Skipped without a CUDA GPU of capability 8.0+."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from helpers import CompiledTiny, RepeatedBatch, fast_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_sparse import SparsityCallback
+from lightning_sparse.backends import capability as cap
+from lightning_sparse.backends.masked import uninstall_forward
+from lightning_sparse.backends.semi_structured import (
+    install_semi_structured_forward,
+    semi_structured_linear,
+)
+from lightning_sparse.backends.speed import measure_speedup
+from lightning_sparse.tile_masks import transposable_2to4_mask
+
+SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not SM80, reason="needs a CUDA GPU with compute capability 8.0+"
+    ),
+]
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
+# Two bf16 runs that differ only in rounding (or in a tie-broken mask entry) drift apart: Adam
+# moves a weight by at most ~lr per step either way, so 8 steps at lr=1e-3 stay within 2e-2.
+DRIFT = {"rtol": 0, "atol": 2e-2}
+
+
+def kernels() -> list[str]:
+    if not SM80:
+        return []
+    found = ["cusparselt"] if cap.cusparselt_available() else []
+    return [*found, "cutlass"] if torch.cuda.get_device_capability()[0] == 8 else found
+
+
+def tie_free(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Weights whose ``|w|`` are distinct within every 4x4 tile (``(1 + k/16) / 16`` for a
+    random permutation ``k`` of 0..15, random signs): exact in bfloat16, so the kernel's and
+    the emulation's greedy choices cannot differ by tie-breaking."""
+    gen = torch.Generator().manual_seed(seed)
+    tiles = (rows // 4) * (cols // 4)
+    ranks = torch.argsort(torch.rand(tiles, 16, generator=gen), dim=1)
+    signs = torch.randint(0, 2, (tiles, 16), generator=gen) * 2 - 1
+    values = (1 + ranks / 16) / 16 * signs
+    tiled = values.view(rows // 4, cols // 4, 4, 4).permute(0, 2, 1, 3)
+    return tiled.reshape(rows, cols).cuda()
+
+
+@pytest.mark.parametrize("kernel", kernels())
+def test_kernel_chooses_the_greedy_mask_on_tie_free_weights(kernel):
+    w = tie_free(256, 512).bfloat16()
+    eye = torch.eye(512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        w24 = semi_structured_linear(eye, w, None, kernel).t()  # eye @ W24.T = W24.T
+    assert torch.equal(w24 != 0, transposable_2to4_mask(w))
+    assert torch.equal(w24, w * transposable_2to4_mask(w))
+
+
+@pytest.mark.parametrize("kernel", kernels())
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kernel_matches_emulation_outputs_and_gradients(kernel, autocast):
+    def layer(kind):
+        module = nn.Linear(512, 256).cuda()
+        with torch.no_grad():
+            module.weight.copy_(tie_free(256, 512))
+        if not autocast:
+            module.bfloat16()
+        install_semi_structured_forward(module, kind)
+        return module
+
+    sparse, emulated = layer(kernel), layer("emulated")
+    x = torch.randn(3, 100, 512, device="cuda")  # 300 tokens: not a multiple of 8 or 16
+    x = x if autocast else x.bfloat16()
+    xs, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        out, ref = sparse(xs), emulated(xe)
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == (3, 100, 256)
+    torch.testing.assert_close(out, ref, **BF16)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(xs.grad, xe.grad, **BF16)
+    for p, q in zip(sparse.parameters(), emulated.parameters()):
+        assert p.grad.dtype == p.dtype
+        torch.testing.assert_close(p.grad, q.grad, **BF16)
+
+
+class ClassProbe(L.Callback):
+    def __init__(self) -> None:
+        self.classes: dict[int, str] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.classes[trainer.global_step] = type(pl_module.net.fc1).__name__
+
+
+class StopAfter(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.should_stop = trainer.global_step >= self.step
+
+
+PHASES = [
+    {"sparsity": "2:4", "until": 3},
+    {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 2, "until": 6},
+    {"sparsity": 0.0},
+]
+
+
+def fit(tmp_path, backend="auto", stop=None, ckpt_path=None, compile=False):
+    L.seed_everything(0, verbose=False)
+    model = CompiledTiny(
+        "inductor" if compile else None, width=256, inputs=256, lr=1e-3
+    )
+    cb, probe = (
+        SparsityCallback(phases=PHASES, backend=backend, verbose=False),
+        ClassProbe(),
+    )
+    callbacks = [cb, probe]
+    if stop:
+        callbacks += [
+            StopAfter(stop),
+            ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=stop),
+        ]
+    trainer = fast_trainer(
+        accelerator="gpu",
+        max_steps=8,
+        precision="bf16-mixed",
+        callbacks=callbacks,
+        enable_checkpointing=bool(stop),
+    )
+    data = DataLoader(RepeatedBatch(n=48, batch_size=12, inputs=256), batch_size=12)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return model, cb, probe
+
+
+def test_training_switches_phases_on_the_gpu_like_masked(tmp_path):
+    model, cb, probe = fit(tmp_path)
+    assert cb.sparsifier.backends[0, "net.fc1.weight"].name == "semi_structured"
+    assert probe.classes[0] == probe.classes[4] == "SemiStructuredLinear"
+    assert probe.classes[7] == "Linear"
+    masked, _, _ = fit(tmp_path, backend="masked")
+    for p, q in zip(model.parameters(), masked.parameters()):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, q, **DRIFT)
+
+
+def test_resume_on_the_gpu(tmp_path):
+    reference, ref_cb, _ = fit(tmp_path / "ref")
+    fit(tmp_path / "ck", stop=4)  # inside the magnitude phase
+    resumed, cb, probe = fit(
+        tmp_path / "res", ckpt_path=tmp_path / "ck" / "step=4.ckpt"
+    )
+    assert cb.sparsifier.history == ref_cb.sparsifier.history
+    assert probe.classes[4] == "SemiStructuredLinear"  # the kernel forward is back
+    for p, q in zip(resumed.parameters(), reference.parameters()):
+        # the same kernels on the same inputs: equal up to GPU nondeterminism
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-3)
+
+
+def test_compiled_training_on_the_gpu(tmp_path):
+    eager, _, _ = fit(tmp_path)
+    compiled, _, probe = fit(tmp_path, compile=True)
+    assert probe.classes[0] == "SemiStructuredLinear" and probe.classes[7] == "Linear"
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, **DRIFT)
+
+
+def test_compiled_layer_after_a_swap_back_is_dense():
+    layer = nn.Linear(256, 256).cuda().bfloat16()
+    install_semi_structured_forward(layer, kernels()[0])
+    compiled = torch.compile(layer)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    sparse = layer(x)
+    torch.testing.assert_close(compiled(x), sparse, **BF16)
+    uninstall_forward(layer)
+    dense = compiled(x)
+    torch.testing.assert_close(dense, layer(x), **BF16)
+    assert not torch.allclose(dense, sparse, **BF16)  # not a stale sparse graph
+
+
+@pytest.mark.parametrize("kernel", kernels())
+def test_verify_speed_measures_a_ratio(kernel):
+    ratio = measure_speedup(
+        (1024, 1024), torch.bfloat16, kernel, torch.device("cuda"), 2048
+    )
+    assert 0.05 < ratio < 20
