@@ -159,6 +159,26 @@ def top_indices(
     return _best(flat, (~skip).nonzero().squeeze(1), k, largest)
 
 
+def drop_smallest(weight: Tensor, mask: Tensor, n_drop: int) -> Tensor:
+    """A copy of ``mask`` without its ``n_drop`` kept entries of smallest ``|weight|``.
+
+    >>> drop_smallest(torch.tensor([3.0, -0.5, 2.0, 9.0]), torch.tensor([True, True, True, False]), 2).tolist()
+    [True, False, False, False]
+    """
+    flat_mask = mask.reshape(-1)
+    flat = weight.detach().reshape(-1)
+    survivors = flat_mask.clone()
+    if 4 * int(torch.count_nonzero(flat_mask)) <= flat_mask.numel():
+        # a sparse mask: rank the kept magnitudes only
+        kept = flat_mask.nonzero().squeeze(1)
+        survivors[kept[top_indices(flat[kept].abs(), n_drop, largest=False)]] = False
+    else:  # a dense mask: push the pruned entries out of reach instead of gathering
+        magnitude = flat.abs()
+        magnitude += (~flat_mask).to(flat.dtype) * torch.finfo(flat.dtype).max
+        survivors[top_indices(magnitude, n_drop, largest=False)] = False
+    return survivors.reshape(mask.shape)
+
+
 _SAMPLE = 1 << 14
 _LARGE = 1 << 16
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse.masks import keep_top, top_indices
+from lightning_sparse.masks import drop_smallest, keep_top, top_indices
 
 # Above 2**16 entries the sampled-threshold paths run; below, a plain topk.
 SIZES = [(7, 13), (300, 400), (1, 70_001)]
@@ -76,3 +76,25 @@ def test_selection_rejects_impossible_counts():
         keep_top(torch.zeros(4), 5)
     with pytest.raises(ValueError, match="cannot pick 3 of 2 eligible entries"):
         top_indices(torch.zeros(4), 3, exclude=torch.tensor([True, True, False, False]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.sampled_from(SIZES),
+    density=st.floats(0.05, 1.0),
+    fraction=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_drop_smallest_removes_exactly_the_smallest_kept(
+    shape, density, fraction, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(shape, generator=gen)
+    mask = torch.rand(shape, generator=gen) < density
+    n_drop = round(fraction * int(mask.sum()))
+    survivors = drop_smallest(weight, mask, n_drop)
+    dropped = mask & ~survivors
+    assert not bool((survivors & ~mask).any())
+    assert int(dropped.sum()) == n_drop
+    if dropped.any() and survivors.any():
+        assert weight.abs()[dropped].max() <= weight.abs()[survivors].min()

@@ -57,6 +57,7 @@ from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
 from lightning_sparse.masks import (
     NM,
     Sparsity,
+    drop_smallest,
     num_kept,
     sparsity_fraction,
     top_indices,
@@ -90,7 +91,7 @@ def drop_and_grow(
     else:
         kept = num_kept(mask.numel(), float(target))
         n_survivors = max(0, min(n_active, kept) - n_drop)
-    survivors = _drop_smallest(weight.detach(), mask, n_active, n_active - n_survivors)
+    survivors = drop_smallest(weight, mask, n_active - n_survivors).reshape(-1)
     if isinstance(target, NM):
         # survivors outscore everything (at most N per group, and a subset of a valid mask),
         # then the best grow scores fill each group up
@@ -102,23 +103,6 @@ def drop_and_grow(
         )
     survivors[top_indices(grow_score, kept - n_survivors, exclude=survivors)] = True
     return survivors.reshape(mask.shape)
-
-
-def _drop_smallest(weight: Tensor, mask: Tensor, n_active: int, n_drop: int) -> Tensor:
-    """``mask`` (a flat copy) without its ``n_drop`` active entries of smallest ``|weight|``."""
-    flat_mask = mask.reshape(-1)
-    survivors = flat_mask.clone()
-    if (
-        4 * n_active <= flat_mask.numel()
-    ):  # sparse masks: rank the active magnitudes only
-        active = flat_mask.nonzero().squeeze(1)
-        magnitude = weight.reshape(-1)[active].abs()
-        survivors[active[top_indices(magnitude, n_drop, largest=False)]] = False
-    else:  # dense masks: push inactive entries out of reach instead of gathering actives
-        magnitude = weight.reshape(-1).abs()
-        magnitude += (~flat_mask).to(weight.dtype) * torch.finfo(weight.dtype).max
-        survivors[top_indices(magnitude, n_drop, largest=False)] = False
-    return survivors
 
 
 class DropAndGrow(SparsityAlgorithm):

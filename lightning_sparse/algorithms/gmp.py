@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from lightning_sparse.algorithms.base import (
@@ -16,7 +17,7 @@ from lightning_sparse.algorithms.base import (
     register_algorithm,
 )
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
-from lightning_sparse.masks import Sparsity
+from lightning_sparse.masks import Sparsity, drop_smallest, num_kept
 from lightning_sparse.schedule import ResolvedPhase, parse_sparsity
 
 RAMPS = {
@@ -101,5 +102,11 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     def update_mask(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
-        # Pruned weights score -1 (selection_score), so the new mask is a subset of the old one.
+        kept = num_kept(mask.numel(), float(target))
+        active = int(torch.count_nonzero(mask))
+        if (
+            kept <= active
+        ):  # pruning further: drop the smallest survivors (the usual case)
+            return drop_smallest(weight, mask, active - kept)
+        # a schedule that goes down: pruned weights score -1, so they come back last
         return self.select(self.selection_score(weight, mask, ctx), target)
