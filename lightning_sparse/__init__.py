@@ -5,6 +5,7 @@
 """
 
 from lightning_sparse.algorithms import (
+    DropAndGrow,
     MaskContext,
     SparsityAlgorithm,
     register_algorithm,
@@ -23,6 +24,7 @@ from lightning_sparse.sparsifier import Sparsifier
 
 __all__ = [
     "NM",
+    "DropAndGrow",
     "MaskContext",
     "Phase",
     "Sparsifier",

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_sparse import cerebras
 from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
@@ -105,6 +106,23 @@ class SparsityCallback(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._active = False
         self._last_logged_step = -1
+
+    @classmethod
+    def from_config(
+        cls, config: cerebras.Config, name: str = "sparsity", **kwargs: Any
+    ) -> list[SparsityCallback]:
+        """Callbacks from a Cerebras-format ``sparsity:`` block: a dict, a list of groups, or
+        the path of a YAML file (see :mod:`lightning_sparse.cerebras` for the forms and how they
+        translate). One callback per group, named ``name`` (several: ``name_0``, ``name_1``...);
+        ``kwargs`` (``backend``, ``verbose``...) go to every callback.
+
+        Example:
+            >>> [cb.name for cb in SparsityCallback.from_config(
+            ...     {"type": "sideband", "sparsity": 0.5,
+            ...      "param_name_patterns": {"fc1": {"sparsity": 0.3}, "fc2": None}})]
+            ['sparsity_0', 'sparsity_1']
+        """
+        return [cls(**spec, **kwargs) for spec in cerebras.translate(config, name=name)]
 
     @property
     def state_key(self) -> str:

@@ -26,7 +26,9 @@ from torch import Tensor
 def zero_optimizer_state(
     optimizers: Iterable[torch.optim.Optimizer], param: Tensor, where: Tensor
 ) -> None:
-    """Set every shape-matching state tensor of ``param`` to zero at the ``True`` entries of ``where``."""
+    """Set every shape-matching state tensor of ``param`` to zero at the ``True`` entries of
+    ``where`` (a bool mask shaped like ``param``), or at the flat indices ``where`` holds (an
+    integer tensor: cheaper when few entries change)."""
     for optimizer in optimizers:
         state = optimizer.state.get(param)
         if not state:
@@ -37,4 +39,7 @@ def zero_optimizer_state(
                 and value.shape == param.shape
                 and value.is_floating_point()
             ):
-                value.masked_fill_(where, 0)
+                if where.dtype == torch.bool:
+                    value.masked_fill_(where, 0)
+                else:
+                    value.view(-1).index_fill_(0, where, 0)

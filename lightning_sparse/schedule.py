@@ -149,7 +149,8 @@ class Phase:
         sparsity: fraction of weights pruned in [0, 1) (unstructured) or ``"N:M"``. ``0.0`` = dense.
         until: where the phase ends: fraction of the run (0.7), ``"70%"``, ``"3 epochs"``,
             ``"1500 steps"`` or an int optimizer step. Only the last phase may leave it out.
-        algorithm: mask rule (``"static"``, ``"magnitude"``, ``"gmp"``, a registered name).
+        algorithm: mask rule (``"static"``, ``"magnitude"``, ``"gmp"``, ``"set"``, ``"rigl"``,
+            ``"runtime"`` or a registered name).
             Default: ``"static"`` for a float sparsity, ``"runtime"`` for N:M when available.
         init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``, or
             ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model).
@@ -157,11 +158,14 @@ class Phase:
         update_every: optimizer steps between mask updates (dynamic algorithms).
         update_start: where updates start (same forms as ``until``); default: phase start.
         update_stop: where updates stop (same forms as ``until``); default: algorithm-specific.
-        drop_fraction: fraction of active weights swapped per update (dynamic sparse training).
-        drop_fraction_decay: ``"cosine"``, ``"linear"`` or ``"constant"``.
-        ramp: sparsity ramp of ``gmp``: ``"cubic"``, ``"linear"`` or ``"cosine"``.
+        drop_fraction: fraction of active weights swapped per update (``set``, ``rigl``), or a
+            schedule mapping such as ``{"type": "cosine", "init": 0.3, "half_period": 1000}``.
+        drop_fraction_decay: ``"cosine"`` (default), ``"linear"`` or ``"constant"``.
+        ramp: sparsity ramp of ``gmp``: ``"cubic"``, ``"linear"``, ``"cosine"`` or a schedule
+            mapping of the optimizer step.
         initial_sparsity: where the ``gmp`` ramp starts.
-        distribution: how the target spreads over layers: ``"uniform"`` (or others when registered).
+        distribution: how the target spreads over layers: ``"uniform"``, ``"erk"`` or
+            ``"global"``.
         options: extra options for a custom algorithm.
 
     Example:
@@ -179,9 +183,9 @@ class Phase:
     update_every: int | None = None
     update_start: int | float | str | None = None
     update_stop: int | float | str | None = None
-    drop_fraction: float | None = None
+    drop_fraction: float | dict[str, Any] | list[float] | None = None
     drop_fraction_decay: str | None = None
-    ramp: str | None = None
+    ramp: str | dict[str, Any] | list[float] | None = None
     initial_sparsity: float | None = None
     distribution: str | None = None
     options: dict[str, Any] = field(default_factory=dict)

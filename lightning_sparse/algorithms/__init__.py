@@ -9,6 +9,7 @@ from lightning_sparse.algorithms.base import (
     register_algorithm,
     registered_algorithms,
 )
+from lightning_sparse.algorithms.drop_grow import SET, DropAndGrow, RigL
 from lightning_sparse.algorithms.gmp import GradualMagnitudePruning
 from lightning_sparse.algorithms.magnitude import Magnitude
 from lightning_sparse.algorithms.runtime import Runtime
@@ -25,9 +26,12 @@ def build_algorithm(
 
 
 __all__ = [
+    "SET",
+    "DropAndGrow",
     "GradualMagnitudePruning",
     "Magnitude",
     "MaskContext",
+    "RigL",
     "RunLength",
     "Runtime",
     "SparsityAlgorithm",

@@ -9,27 +9,35 @@ applies what it returns. Two families (see ``straight_through``):
   uses the masked weight.
 
 Custom algorithms subclass :class:`SparsityAlgorithm`, override :meth:`update_mask` (and set
-``dynamic = True`` so it gets called), and register with :func:`register_algorithm`::
+``dynamic = True`` so it gets called), and register with :func:`register_algorithm`; the name
+then works in Python and YAML phases alike::
 
     from lightning_sparse import SparsityAlgorithm, register_algorithm
 
     @register_algorithm("weight_times_grad")
     class WeightTimesGrad(SparsityAlgorithm):
+        straight_through = True  # weights stay dense, so every |w * g| stays meaningful
         dynamic = True
+        needs_grad = True
         def update_mask(self, weight, mask, target, ctx):
-            score = (weight * ctx.grad).abs() if ctx.grad is not None else weight.abs()
-            return self.select(score, target)
+            return self.select((weight * ctx.grad).abs(), target)
+
+Per-layer targets come from the phase's ``distribution`` (:meth:`SparsityAlgorithm.layer_targets`,
+called once per mask choice for the whole group), so a custom algorithm works with ``uniform``,
+``erk`` and ``global`` without extra code.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+import torch
 from torch import Tensor
 
+from lightning_sparse.algorithms.distributions import check_distribution, spread
 from lightning_sparse.masks import (
     NM,
     Sparsity,
@@ -123,10 +131,7 @@ class SparsityAlgorithm:
                 f"{where}: algorithm {self.name!r} does not support N:M sparsity "
                 f"({phase.target}); use a float sparsity or another algorithm"
             )
-        if spec.distribution not in (None, "uniform"):
-            raise ValueError(
-                f"{where}: distribution={spec.distribution!r} is not available; use 'uniform'"
-            )
+        self.distribution = check_distribution(spec.distribution, phase.target, where)
         self.phase = phase
         self.seed = spec.seed if spec.seed is not None else 0
         self.init = spec.init or "topk"
@@ -178,6 +183,27 @@ class SparsityAlgorithm:
             step - self.update_start
         ) % self.update_every == 0 or step == self.update_stop
 
+    def update_index(self, step: int) -> int:
+        """Which mask choice of the phase happens at ``step``: 0 at the phase start, ``j`` at
+        the ``j``-th update (counting the updates before ``step``, plus one)."""
+        if step <= self.phase.start:
+            return 0
+        low = max(self.phase.start + 1, self.update_start)
+        high = step - 1 if self.update_stop is None else min(step - 1, self.update_stop)
+        if high < low:
+            return 1
+        # the first step of the grid update_start + j * update_every at or after low
+        first = low + (self.update_start - low) % self.update_every
+        count = 0 if first > high else (high - first) // self.update_every + 1
+        stop = self.update_stop
+        if (
+            stop is not None
+            and low <= stop <= high
+            and (stop - self.update_start) % self.update_every
+        ):
+            count += 1
+        return count + 1
+
     # -- masks ------------------------------------------------------------------------------
     def select(self, score: Tensor, target: Sparsity) -> Tensor:
         """Keep the highest-scoring weights so that ``target`` holds exactly.
@@ -192,17 +218,50 @@ class SparsityAlgorithm:
             return optimal_transposable_2to4_mask(score - score.amin())
         return topk_mask(score, target)
 
+    def selection_score(
+        self, weight: Tensor, mask: Tensor | None, ctx: MaskContext
+    ) -> Tensor:
+        """What masks are chosen by. At the phase start (``mask`` is ``None``): the magnitude
+        (``init='topk'``), a seeded random score (``init='random'``) or the magnitude with the
+        weight's zeros scoring -1 (``init='from_zeros'``). At an update: the magnitude of the
+        kept weights, pruned ones scoring -1 (so pruning only removes). The ``global``
+        distribution ranks the whole group by this score."""
+        if mask is None and self.init == "random":
+            return ctx.random_score(weight)
+        if mask is None and self.init == "topk":
+            return weight.detach().abs()
+        keep = weight != 0 if mask is None else mask
+        return torch.where(keep, weight.detach().abs(), -1.0)
+
+    def layer_targets(
+        self,
+        step: int,
+        weights: Mapping[str, Tensor],
+        masks: Mapping[str, Tensor] | None,
+    ) -> dict[str, Sparsity]:
+        """Each layer's target for the masks chosen at ``step`` (``masks`` is ``None`` at the
+        phase start): :meth:`target_at` spread over the layers by the phase's ``distribution``.
+        Called once per mask choice, for the whole group, before the per-layer
+        :meth:`initial_mask` / :meth:`update_mask` calls that receive these targets."""
+
+        def score(name: str) -> Tensor:
+            mask = None if masks is None else masks[name]
+            return self.selection_score(
+                weights[name], mask, MaskContext(name, step, self.seed)
+            )
+
+        shapes = {name: weight.shape for name, weight in weights.items()}
+        return spread(self.distribution, self.target_at(step), shapes, score)
+
     def initial_mask(
         self, weight: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
-        """The mask at phase start: largest magnitude (``init='topk'``), seeded random, or the
-        weight's own zeros (``init='from_zeros'``, see :func:`~lightning_sparse.masks.from_zeros_mask`)."""
+        """The mask at phase start: the top of :meth:`selection_score`: largest magnitude
+        (``init='topk'``), seeded random, or the weight's own zeros (``init='from_zeros'``,
+        see :func:`~lightning_sparse.masks.from_zeros_mask`)."""
         if self.init == "from_zeros":
             return from_zeros_mask(weight.detach(), target, ctx.name, self.select)
-        score = (
-            ctx.random_score(weight) if self.init == "random" else weight.detach().abs()
-        )
-        return self.select(score, target)
+        return self.select(self.selection_score(weight, None, ctx), target)
 
     def update_mask(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext

@@ -1,8 +1,10 @@
-"""``gmp``: gradual magnitude pruning (Zhu & Gupta, 2017) with a cubic, linear or cosine ramp."""
+"""``gmp``: gradual magnitude pruning (Zhu & Gupta, 2017) with a cubic, linear or cosine ramp,
+or the sparsity given step by step as a schedule (the Cerebras form)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -14,7 +16,8 @@ from lightning_sparse.algorithms.base import (
     SparsityAlgorithm,
     register_algorithm,
 )
-from lightning_sparse.masks import Sparsity
+from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
+from lightning_sparse.masks import Sparsity, drop_smallest, num_kept
 from lightning_sparse.schedule import ResolvedPhase, parse_sparsity
 
 RAMPS = {
@@ -31,7 +34,10 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     The ramp runs from ``update_start`` (default: phase start) to ``update_stop`` (default: 75%
     of the way through the phase), pruning the smallest surviving weights every ``update_every``
     steps; pruned weights never come back. ``ramp`` is ``"cubic"`` (default), ``"linear"`` or
-    ``"cosine"``.
+    ``"cosine"``, or a schedule that gives the sparsity at each optimizer step (a mapping such as
+    ``{"type": "linear", "init": 0.0, "slope": 0.001}``, see
+    :mod:`~lightning_sparse.algorithms.step_values`); the phase's ``sparsity`` then caps the
+    schedule and holds from ``update_stop`` on.
 
     Example:
         >>> from lightning_sparse.schedule import Phase, resolve_phases
@@ -51,11 +57,24 @@ class GradualMagnitudePruning(SparsityAlgorithm):
         where = f"phases[{phase.index}]"
         spec = phase.spec
         self.ramp = spec.ramp or "cubic"
-        if self.ramp not in RAMPS:
-            raise ValueError(f"{where}: ramp={self.ramp!r}; use one of {sorted(RAMPS)}")
+        self.schedule: StepValue | None = None
+        if isinstance(self.ramp, (Mapping, Sequence)) and not isinstance(
+            self.ramp, str
+        ):
+            self.schedule = parse_step_value(self.ramp, f"{where}.ramp")
+            if spec.initial_sparsity is not None:
+                raise ValueError(
+                    f"{where}: initial_sparsity does nothing when ramp is a schedule (the "
+                    f"schedule gives the sparsity at every step): remove it"
+                )
+        elif self.ramp not in RAMPS:
+            raise ValueError(
+                f"{where}: ramp={self.ramp!r}; use one of {sorted(RAMPS)} or a schedule "
+                f"mapping such as {{'type': 'linear', 'init': 0.0, 'slope': 0.001}}"
+            )
         initial = spec.initial_sparsity if spec.initial_sparsity is not None else 0.0
         self.initial = float(parse_sparsity(initial, f"{where}.initial_sparsity"))
-        if self.initial >= float(phase.target):
+        if self.schedule is None and self.initial >= float(phase.target):
             raise ValueError(
                 f"{where}: initial_sparsity={self.initial} must be below the target "
                 f"sparsity={phase.target} (gmp ramps up to it)"
@@ -67,6 +86,11 @@ class GradualMagnitudePruning(SparsityAlgorithm):
             )
 
     def target_at(self, step: int) -> Sparsity:
+        final = float(self.phase.target)
+        if self.schedule is not None:
+            if step >= self.update_stop:
+                return final
+            return min(final, max(0.0, self.schedule(step, self.update_index(step))))
         start, stop = self.update_start, self.update_stop
         if step <= start or stop == start:
             return self.initial if step < stop else float(self.phase.target)
@@ -78,6 +102,11 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     def update_mask(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
-        # Pruned weights score -1 so the new mask is a subset of the old one.
-        score = torch.where(mask, weight.detach().abs(), torch.full_like(weight, -1.0))
-        return self.select(score, target)
+        kept = num_kept(mask.numel(), float(target))
+        active = int(torch.count_nonzero(mask))
+        if (
+            kept <= active
+        ):  # pruning further: drop the smallest survivors (the usual case)
+            return drop_smallest(weight, mask, active - kept)
+        # a schedule that goes down: pruned weights score -1, so they come back last
+        return self.select(self.selection_score(weight, mask, ctx), target)

@@ -28,7 +28,15 @@ class Magnitude(SparsityAlgorithm):
     straight_through = True
     dynamic = True
 
+    def selection_score(
+        self, weight: Tensor, mask: Tensor | None, ctx: MaskContext
+    ) -> Tensor:
+        # Stored weights are dense, so an update ranks all of them by magnitude.
+        if mask is None:
+            return super().selection_score(weight, mask, ctx)
+        return weight.detach().abs()
+
     def update_mask(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
-        return self.select(weight.detach().abs(), target)
+        return self.select(self.selection_score(weight, mask, ctx), target)

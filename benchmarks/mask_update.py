@@ -1,0 +1,190 @@
+"""Cost of one mask update per algorithm vs one AdamW step over the same GPT-2-small weights (CPU).
+
+The weights are the 124.4 M parameters of GPT-2 small's weight matrices: 12 blocks of
+``attn.c_attn`` 2304x768, ``attn.c_proj`` 768x768, ``mlp.c_fc`` 3072x768 and ``mlp.c_proj``
+768x3072 (84.9 M), plus ``wte`` 50257x768 and ``wpe`` 1024x768. All 50 are sparsified, so the
+mask update and the AdamW step (torch's default AdamW, state already allocated) touch the same
+tensors. Everything runs in this process, interleaved, with the same number of threads.
+
+For each algorithm, ``Sparsifier.before_optimizer_step`` is timed at update steps and at plain
+steps. A plain step only masks the gradients (every hard-mask step pays that); an update step
+also checks finiteness, chooses the new masks, zeroes the weights and optimizer state whose mask
+changed, and then masks the gradients. "Mask update" is the difference of the medians; "phase
+start" is choosing the first masks when the phase begins.
+
+    python benchmarks/mask_update.py                  # ~6 minutes, ~5 GB, 1 thread
+    python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms set rigl
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import markdown_table, median
+from torch import nn
+
+from lightning_sparse.schedule import Phase, resolve_phases
+from lightning_sparse.selection import select_parameters
+from lightning_sparse.sparsifier import Sparsifier
+
+UPDATE = {"update_every": 2, "update_stop": 10_000}
+DST = {**UPDATE, "drop_fraction": 0.3, "drop_fraction_decay": "constant"}
+ALGORITHMS: dict[str, dict[str, Any]] = {
+    "static 90%": {"sparsity": 0.9},
+    "gmp 90%": {"sparsity": 0.9, "algorithm": "gmp", **UPDATE},
+    "set 90%": {"sparsity": 0.9, "algorithm": "set", **DST},
+    "rigl 90%": {"sparsity": 0.9, "algorithm": "rigl", **DST},
+    "rigl 90% erk": {
+        "sparsity": 0.9,
+        "algorithm": "rigl",
+        "distribution": "erk",
+        **DST,
+    },
+    "rigl 90% global": {
+        "sparsity": 0.9,
+        "algorithm": "rigl",
+        "distribution": "global",
+        **DST,
+    },
+    "set 2:4": {"sparsity": "2:4", "algorithm": "set", **DST},
+    "rigl 2:4": {"sparsity": "2:4", "algorithm": "rigl", **DST},
+}
+
+
+class GPT2SmallWeights(nn.Module):
+    """Only the weight matrices of GPT-2 small (no biases, norms or attention math)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(50257, 768)
+        self.wpe = nn.Embedding(1024, 768)
+        self.h = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "c_attn": nn.Linear(768, 2304, bias=False),
+                    "attn_c_proj": nn.Linear(768, 768, bias=False),
+                    "c_fc": nn.Linear(768, 3072, bias=False),
+                    "mlp_c_proj": nn.Linear(3072, 768, bias=False),
+                }
+            )
+            for _ in range(12)
+        )
+
+
+def seconds(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1 gives stable numbers on a busy machine)",
+    )
+    parser.add_argument(
+        "--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS)
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = GPT2SmallWeights()
+    params = list(model.parameters())
+    grads = [torch.randn_like(p) for p in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def fresh_gradients() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
+
+    fresh_gradients()
+    optimizer.step()  # allocate the state
+    numel = sum(p.numel() for p in params)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+        f"{numel / 1e6:.1f} M weights in {len(params)} tensors"
+    )
+    targets = select_parameters(model, params=["*"]).targets
+    adamw: list[float] = []
+    times = {name: {"start": [], "update": [], "plain": []} for name in args.algorithms}
+    for repeat in range(args.repeats):
+        for name in args.algorithms:
+            fresh_gradients()
+            adamw.append(seconds(optimizer.step))
+            phases = resolve_phases([Phase.from_any(ALGORITHMS[name])], 100_000)
+            sparsifier = Sparsifier(name, targets, phases)
+            record = times[name]
+            record["start"].append(
+                seconds(lambda s=sparsifier: s.on_step_start(0, [optimizer]))
+            )
+            if sparsifier.algorithm is not None and sparsifier.algorithm.dynamic:
+                for step in (1, 2, 3, 4):
+                    fresh_gradients()
+                    kind = (
+                        "update"
+                        if sparsifier.algorithm.is_update_step(step)
+                        else "plain"
+                    )
+                    record[kind].append(
+                        seconds(
+                            lambda s=sparsifier, t=step: s.before_optimizer_step(
+                                t, optimizer, [optimizer]
+                            )
+                        )
+                    )
+            sparsifier.close()
+            print(
+                f"  repeat {repeat + 1}: {name:<16} phase start {record['start'][-1]:6.2f} s"
+                + (
+                    f", update step {record['update'][-1]:6.2f} s, plain step "
+                    f"{record['plain'][-1]:5.2f} s"
+                    if record["update"]
+                    else ""
+                )
+                + f", AdamW {adamw[-1]:5.2f} s",
+                flush=True,
+            )
+    base = median(adamw)
+    rows = [["AdamW step (torch default)", "-", f"{base * 1e3:.0f}", "1.00x", "-"]]
+    for name in args.algorithms:
+        record = times[name]
+        start = f"{median(record['start']) * 1e3:.0f}"
+        if not record["update"]:
+            rows.append([name, "-", "-", "-", start])
+            continue
+        plain = median(record["plain"])
+        cost = median(record["update"]) - plain
+        rows.append(
+            [
+                name,
+                f"{plain * 1e3:.0f}",
+                f"{cost * 1e3:.0f}",
+                f"{cost / base:.2f}x",
+                start,
+            ]
+        )
+    print()
+    print(
+        markdown_table(
+            [
+                "algorithm",
+                "gradient masking, every step (ms)",
+                "mask update (ms)",
+                "update / AdamW step",
+                "phase start (ms)",
+            ],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

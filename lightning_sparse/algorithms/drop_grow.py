@@ -1,0 +1,253 @@
+"""``set`` and ``rigl``: dynamic sparse training that drops and regrows connections.
+
+At every update, a :class:`DropAndGrow` algorithm drops the ``drop_fraction`` of each layer's
+active weights with the smallest magnitude and regrows as many where :meth:`~DropAndGrow.grow_score`
+is largest among the weights that are not active after the drop: ``set`` (Mocanu et al., 2018)
+at random, ``rigl`` (Evci et al., 2020) where the dense gradient is largest. Each layer keeps its
+number of active weights (the phase's ``distribution`` sets the numbers at the phase start), so
+the target holds exactly after every update. In an ``"N:M"`` phase the drop picks the smallest
+active weights of the whole layer and every group of M regrows as many as it lost, inside the
+group, so exactly N stay in every group and the masks keep running on N:M kernels. The regrowth
+goes through the algorithm's ``select``, so a ``"2:4"`` weight with both dimensions multiples of
+4 stays transposable (2 per row and per column of every 4x4 tile: each tile regrows, among the
+patterns that keep its survivors, the one with the highest grow scores).
+
+Semantics of an update step (the sparsifier runs it before the optimizer step):
+
+1. the update sees the dense gradient: accumulated over micro-batches, all-reduced, unscaled,
+   not yet masked;
+2. weights are multiplied by the new mask and the optimizer state is zeroed wherever the mask
+   changed, so regrown weights start at zero with zeroed state (a weight dropped and regrown in
+   the same update keeps its value, as if never dropped);
+3. the gradients are masked with the new mask, so the optimizer step that follows trains the
+   regrown weights from zero with the gradient that chose them and leaves dropped ones at zero.
+
+``drop_fraction`` (default 0.3) decays to zero at ``update_stop`` (default: 75% of the phase) as
+``drop_fraction_decay`` says: ``"cosine"`` (default, as in RigL), ``"linear"`` or ``"constant"``;
+the decay runs from ``update_start`` to ``update_stop``. ``drop_fraction`` may instead be a
+schedule of the optimizer step (:mod:`~lightning_sparse.algorithms.step_values`).
+
+Example:
+    >>> import torch
+    >>> from lightning_sparse.masks import NM
+    >>> mask = torch.tensor([[True, True, False, False]])
+    >>> weight = torch.tensor([[0.9, -0.1, 0.0, 0.0]])
+    >>> grow = torch.tensor([[0.0, 0.0, 0.2, 0.7]])
+    >>> drop_and_grow(weight, grow, mask, n_drop=1, target=NM(2, 4)).tolist()
+    [[True, False, False, True]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.algorithms.base import (
+    UNKNOWN_RUN,
+    MaskContext,
+    RunLength,
+    SparsityAlgorithm,
+    register_algorithm,
+)
+from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
+from lightning_sparse.masks import (
+    NM,
+    Sparsity,
+    drop_smallest,
+    num_kept,
+    sparsity_fraction,
+    top_indices,
+    topk_mask,
+)
+from lightning_sparse.schedule import ResolvedPhase
+
+DECAYS = {
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "linear": lambda progress: 1.0 - progress,
+    "constant": lambda progress: 1.0,
+}
+
+
+@torch.no_grad()
+def drop_and_grow(
+    weight: Tensor,
+    grow_score: Tensor,
+    mask: Tensor,
+    n_drop: int,
+    target: Sparsity,
+    select: Callable[[Tensor, Sparsity], Tensor] = topk_mask,
+) -> Tensor:
+    """Drop the ``n_drop`` active entries of ``mask`` with the smallest ``|weight|`` and regrow
+    the highest-``grow_score`` entries that are not active after the drop, so that ``target``
+    holds exactly. N:M: every group regrows as many as it lost, through ``select`` (an
+    algorithm's own, so a 2:4 layer that ``select`` makes transposable stays transposable)."""
+    n_active = int(torch.count_nonzero(mask))
+    if isinstance(target, NM):
+        n_survivors = n_active - n_drop
+    else:
+        kept = num_kept(mask.numel(), float(target))
+        n_survivors = max(0, min(n_active, kept) - n_drop)
+    survivors = drop_smallest(weight, mask, n_active - n_survivors).reshape(-1)
+    if isinstance(target, NM):
+        # survivors outscore everything (at most N per group, and a subset of a valid mask),
+        # then the best grow scores fill each group up
+        grow = grow_score.reshape(mask.shape)
+        low, high = torch.aminmax(grow)
+        bonus = 16 * (high - low) + 1
+        return select(
+            torch.where(survivors.view(mask.shape), bonus, grow - low), target
+        )
+    survivors[top_indices(grow_score, kept - n_survivors, exclude=survivors)] = True
+    return survivors.reshape(mask.shape)
+
+
+class DropAndGrow(SparsityAlgorithm):
+    """Base class of dynamic sparse training by drop and regrowth (``set``, ``rigl``).
+
+    A subclass implements :meth:`grow_score`; everything else (drop by magnitude, exact counts,
+    N:M groups, the ``drop_fraction`` schedule, distributions) comes from here.
+
+    Example:
+        >>> from lightning_sparse import register_algorithm
+        >>> @register_algorithm("grow_where_gradient_is_negative")
+        ... class GrowWhereGradientIsNegative(DropAndGrow):
+        ...     needs_grad = True
+        ...     def grow_score(self, weight, mask, ctx):
+        ...         return None if ctx.grad is None else -ctx.grad
+    """
+
+    dynamic = True
+    option_names = SparsityAlgorithm.option_names | {
+        "drop_fraction",
+        "drop_fraction_decay",
+    }
+    default_update_stop_fraction = 0.75
+    default_drop_fraction: ClassVar[float] = 0.3
+
+    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
+        super().__init__(phase, run)
+        where = f"phases[{phase.index}]"
+        spec = phase.spec
+        value = (
+            self.default_drop_fraction
+            if spec.drop_fraction is None
+            else spec.drop_fraction
+        )
+        self.drop_schedule: StepValue | None = None
+        self.decay = spec.drop_fraction_decay or "cosine"
+        if isinstance(value, (Mapping, Sequence)) and not isinstance(value, str):
+            if spec.drop_fraction_decay is not None:
+                raise ValueError(
+                    f"{where}: drop_fraction_decay does nothing when drop_fraction is a "
+                    f"schedule (the schedule gives the fraction at every step): remove it"
+                )
+            self.drop_schedule = parse_step_value(value, f"{where}.drop_fraction")
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"{where}: drop_fraction={value!r}; use a number in [0, 1] or a schedule such "
+                f"as {{'type': 'cosine', 'init': 0.3, 'half_period': 1000}}"
+            )
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(
+                f"{where}: drop_fraction={value!r} is the fraction of active weights swapped "
+                f"at each update, so it must be in [0, 1] (0.3 is the usual choice)"
+            )
+        self.drop_fraction = float(value)
+        if self.decay not in DECAYS:
+            raise ValueError(
+                f"{where}: drop_fraction_decay={self.decay!r}; use one of {sorted(DECAYS)}"
+            )
+        if self.decay != "constant" and self.update_stop is None:
+            raise ValueError(
+                f"{where}: the phase has no known end, so drop_fraction cannot decay to zero "
+                f"at update_stop: set update_stop (e.g. '5000 steps'), give the trainer "
+                f"max_steps/max_epochs, or use drop_fraction_decay: constant"
+            )
+
+    def drop_fraction_at(self, step: int) -> float:
+        """The fraction of each layer's active weights dropped (and regrown) at ``step``."""
+        if self.drop_schedule is not None:
+            value = self.drop_schedule(step, self.update_index(step))
+            return min(1.0, max(0.0, value))
+        if self.decay == "constant":
+            return self.drop_fraction
+        assert self.update_stop is not None
+        span = self.update_stop - self.update_start
+        progress = 1.0 if span <= 0 else (step - self.update_start) / span
+        return self.drop_fraction * DECAYS[self.decay](min(1.0, max(0.0, progress)))
+
+    def layer_targets(
+        self,
+        step: int,
+        weights: Mapping[str, Tensor],
+        masks: Mapping[str, Tensor] | None,
+    ) -> dict[str, Sparsity]:
+        """At the phase start: the distribution's targets; at an update: each layer keeps the
+        number of active weights it has (drop and regrowth swap weights, they never move the
+        sparsity between layers)."""
+        target = self.target_at(step)
+        if masks is None or isinstance(target, NM):
+            return super().layer_targets(step, weights, masks)
+        return {
+            name: (mask.numel() - int(torch.count_nonzero(mask))) / mask.numel()
+            for name, mask in masks.items()
+        }
+
+    def grow_score(
+        self, weight: Tensor, mask: Tensor, ctx: MaskContext
+    ) -> Tensor | None:
+        """Where to regrow: the highest scores among the inactive weights win. Return a
+        tensor shaped like ``weight``, or ``None`` to keep the layer's mask at this update."""
+        raise NotImplementedError(
+            f"algorithm {self.name!r} subclasses DropAndGrow, so it must implement grow_score"
+        )
+
+    def update_mask(
+        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor:
+        # layer_targets keeps each layer's count, so the target says how many are active
+        n_active = num_kept(mask.numel(), sparsity_fraction(target))
+        n_drop = round(self.drop_fraction_at(ctx.step) * n_active)
+        if n_drop == 0:
+            return mask
+        grow = self.grow_score(weight, mask, ctx)
+        if grow is None:
+            return mask
+        return drop_and_grow(weight, grow, mask, n_drop, target, self.select)
+
+
+@register_algorithm("set")
+class SET(DropAndGrow):
+    """Sparse Evolutionary Training: regrow at random (seeded by the phase's ``seed``, the
+    parameter name and the step: identical on every rank and after a resume).
+
+    Example:
+        >>> from lightning_sparse import SparsityCallback
+        >>> cb = SparsityCallback(phases=[{"sparsity": 0.9, "algorithm": "set", "update_every": 100}])
+    """
+
+    def grow_score(self, weight: Tensor, mask: Tensor, ctx: MaskContext) -> Tensor:
+        return ctx.random_score(weight)
+
+
+@register_algorithm("rigl")
+class RigL(DropAndGrow):
+    """Rigging the Lottery: regrow where the dense gradient's magnitude is largest. A layer
+    without a gradient at an update step (unused in that step) keeps its mask.
+
+    Example:
+        >>> from lightning_sparse import SparsityCallback
+        >>> cb = SparsityCallback(phases=[{"sparsity": 0.9, "algorithm": "rigl", "distribution": "erk"}])
+    """
+
+    needs_grad = True
+
+    def grow_score(
+        self, weight: Tensor, mask: Tensor, ctx: MaskContext
+    ) -> Tensor | None:
+        return None if ctx.grad is None else ctx.grad.abs()
