@@ -229,7 +229,7 @@ class DigitsMultiCropDataModule(DigitsDataModule):
         local_crop_size: int = 16,
         local_crops_number: int = 4,
         global_crops_scale: Sequence[float] = (0.5, 1.0),
-        local_crops_scale: Sequence[float] = (0.15, 0.5),
+        local_crops_scale: Sequence[float] = (0.3, 0.6),
         hflip_p: float = 0.0,
         photometric: bool = False,
         batch_size: int = 64,
