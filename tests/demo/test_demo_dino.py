@@ -240,3 +240,19 @@ def test_local_crops_need_dynamic_size():
 def test_dino_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DINOSelfDistillation(model_kwargs=TINY, **kwargs)
+
+
+def test_checkpoint_round_trip_keeps_teacher_and_center(tmp_path):
+    model = DINOSelfDistillation(model_kwargs=TINY, **SMALL_HEAD, probe_steps=0)
+    trainer = fast_trainer(max_steps=2, limit_val_batches=0)
+    trainer.fit(model, tiny_datamodule())
+    path = tmp_path / "dino.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = DINOSelfDistillation.load_from_checkpoint(path)
+    assert loaded.hparams.out_dim == SMALL_HEAD["out_dim"]
+    assert torch.equal(loaded.center, model.center) and model.center.abs().sum() > 0
+    for a, b in zip(
+        loaded.teacher.state_dict().values(), model.teacher.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    assert not any(p.requires_grad for p in loaded.teacher.parameters())

@@ -130,3 +130,17 @@ def test_sequence_longer_than_block_size():
     model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=4))
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_checkpoint_round_trip_keeps_weight_tying(tmp_path):
+    lm = GPTLanguageModel(n_layer=1, n_embd=32, n_head=2, block_size=16)
+    trainer = fast_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(lm, PydocTextDataModule(block_size=16, batch_size=4, max_bytes=5_000))
+    path = tmp_path / "gpt.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = GPTLanguageModel.load_from_checkpoint(path)
+    assert loaded.model.lm_head.weight is loaded.model.transformer.wte.weight
+    assert torch.equal(
+        loaded.model.transformer.wte.weight, lm.model.transformer.wte.weight
+    )
+    assert loaded.config == lm.config
