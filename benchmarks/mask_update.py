@@ -12,7 +12,7 @@ also checks finiteness, chooses the new masks, zeroes the weights and optimizer 
 changed, and then masks the gradients. "Mask update" is the difference of the medians; "phase
 start" is choosing the first masks when the phase begins.
 
-    python benchmarks/mask_update.py                  # ~6 minutes, ~5 GB, 1 thread
+    python benchmarks/mask_update.py                  # ~6 minutes, ~5.5 GB, 1 thread
     python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms set rigl
 """
 
@@ -98,11 +98,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT2SmallWeights()
     params = list(model.parameters())
-    grads = [torch.randn_like(p) for p in params]
+    # two sets of gradients: consecutive updates see different ones, as in training (with the
+    # same gradient twice, RigL would regrow the very weights it just dropped and change nothing)
+    grads = [[torch.randn_like(p) for p in params] for _ in range(2)]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
 
-    def fresh_gradients() -> None:
-        for p, g in zip(params, grads):
+    def fresh_gradients(step: int = 0) -> None:
+        for p, g in zip(params, grads[step // 2 % 2]):
             p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
 
     fresh_gradients()
@@ -127,7 +129,7 @@ def main() -> None:
             )
             if sparsifier.algorithm is not None and sparsifier.algorithm.dynamic:
                 for step in (1, 2, 3, 4):
-                    fresh_gradients()
+                    fresh_gradients(step)
                     kind = (
                         "update"
                         if sparsifier.algorithm.is_update_step(step)
