@@ -115,7 +115,11 @@ def flat_nonzero(mask: Tensor) -> Tensor:
 
 
 def count_true(mask: Tensor) -> int:
-    """How many entries of a bool tensor are ``True``."""
+    """How many entries of a bool tensor are ``True``.
+
+    >>> count_true(torch.tensor([[True, False], [True, True]]))
+    3
+    """
     xp, (flags,) = backend(mask)
     return int(xp.count_nonzero(flags))
 
@@ -145,7 +149,13 @@ def multiply_by_masks_(tensors: list[Tensor], masks: list[Tensor]) -> None:
 
 def zero_where_(tensor: Tensor, where: Tensor) -> None:
     """Set ``tensor`` to ``+0.0`` where the bool ``where`` is set, as ``masked_fill_(where, 0)``
-    does (bit for bit); on the CPU by clearing the bits of those entries."""
+    does (bit for bit); on the CPU by clearing the bits of those entries.
+
+    >>> state = torch.tensor([-1.5, 2.0, -3.0])
+    >>> zero_where_(state, torch.tensor([True, False, True]))
+    >>> state.tolist()
+    [0.0, 2.0, 0.0]
+    """
     values, flags = numpy_view(tensor), numpy_view(where)
     if values is None or flags is None or not tensor.is_floating_point():
         tensor.masked_fill_(where, 0)
@@ -169,6 +179,10 @@ def scratch_mask(numel: int, device: torch.device, slot: int = 0) -> Tensor:
     written, about as much as a pass over it. It stays valid until the next call with the same
     slot; :func:`free_scratch` releases the buffers. Other devices get a fresh tensor (their
     caching allocators reuse memory already).
+
+    >>> a = scratch_mask(8, torch.device("cpu"), slot=3)
+    >>> scratch_mask(4, torch.device("cpu"), slot=3).data_ptr() == a.data_ptr()
+    True
     """
     device = torch.device(device)
     if device.type != "cpu":
@@ -188,7 +202,12 @@ def free_scratch() -> None:
 
 class Ops:
     """The few array operations NumPy and torch spell differently, for code written once for
-    both: NumPy on the CPU, torch elsewhere (see :func:`ops_for`)."""
+    both: NumPy on the CPU, torch elsewhere (see :func:`ops_for`).
+
+    >>> ops = ops_for(torch.zeros(3))
+    >>> ops.xp.__name__, ops.tensor(ops.nonzero(ops.array(torch.tensor([0, 5, 7])) > 1)).tolist()
+    ('numpy', [1, 2])
+    """
 
     def __init__(self, xp: ModuleType, device: torch.device) -> None:
         self.xp = xp
@@ -212,10 +231,18 @@ class Ops:
     def nonzero(self, flags):
         return nonzero_of(self.xp, flags)
 
-    def take_rows(self, array, index):
+    def take(self, array, index):
+        """``array.reshape(-1)[index]`` (NumPy: without bounds checks, which cost 5x the
+        gather: give valid indices)."""
         if self.xp is np:
-            return np.take(array, index, axis=0)
-        return array.index_select(0, index)
+            return np.take(array, index, mode="clip")
+        return torch.take(array, index)
+
+    def take_rows(self, array, index):
+        """``array[index]`` along the first axis (valid indices, as for :meth:`take`)."""
+        if self.xp is np:
+            return np.take(array, index, axis=0, mode="clip")
+        return array[index]
 
     def take_along_rows(self, array, index):
         if self.xp is np:

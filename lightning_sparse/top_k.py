@@ -43,10 +43,9 @@ from lightning_sparse.array_ops import (
     scratch,
 )
 
-SAMPLE = 1 << 16
-"""Eligible values in the sample that places the thresholds (at most; 1/32 of them in a tensor
-with fewer, so that sampling stays a small part of the pass)."""
-MIN_SAMPLE = 1 << 12
+SAMPLED = (1 << 14, 1 << 18)
+"""How many entries (eligible or not) the strided sample that places the thresholds visits:
+1/256 of the tensor, within these bounds (strided reads cost a cache miss each)."""
 LARGE = 1 << 16
 """Tensors with at most this many entries are ranked by a sort."""
 
@@ -145,10 +144,8 @@ def _thresholds(
     """``(inner, outer)`` from a strided sample of the eligible values: about ``k`` entries lie
     beyond each, fewer beyond ``inner`` and more beyond ``outer``, by a margin of 4 standard
     deviations of the sample's count. ``None`` stands for a threshold beyond every value."""
-    wanted = min(
-        SAMPLE, max(MIN_SAMPLE, c.n_eligible // 32)
-    )  # a small part of the scan
-    stride = max(1, c.n_eligible // wanted)
+    n = c.flat.numel()
+    stride = max(1, n // min(max(n // 256, SAMPLED[0]), SAMPLED[1]))
     sample = (
         x[::stride].copy() if xp is np else x[::stride]
     )  # gathered once, then filtered
@@ -210,28 +207,29 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
             combine(b, eligible[part], out=b)
         n_sure += int(xp.count_nonzero(s))
         index = nonzero_of(xp, b)
-        band_index.append(as_tensor(index + part.start, c.flat.device))
-        band_value.append(as_tensor(a[index], c.flat.device))
+        band_index.append(index + part.start)
+        band_value.append(a[index])
     missing = c.k - n_sure
-    index = torch.cat(band_index).to(torch.int64)
-    if not 0 <= missing <= index.numel():
+    index, values = xp.concatenate(band_index), xp.concatenate(band_value)
+    if not 0 <= missing <= len(index):
         return False
-    chosen[_first_k(torch.cat(band_value), missing, c.largest, index)] = True
+    picked = _first_k(xp, values, missing, c.largest, index)
+    chosen.index_fill_(0, as_tensor(picked, c.flat.device).to(torch.int64), True)
     return True
 
 
-def _first_k(values: Tensor, k: int, largest: bool, index: Tensor) -> Tensor:
+def _first_k(xp: ModuleType, values, k: int, largest: bool, index):
     """The ``k`` entries of ``index`` (ascending) whose ``values`` come first: the largest (or
-    smallest), ties to the earlier entries."""
-    if k == values.numel():
+    smallest), ties to the earlier entries (NumPy arrays or tensors)."""
+    if k == len(values):
         return index
     if k == 0:
         return index[:0]
-    if largest:
-        kth = values.kthvalue(values.numel() - k + 1).values
-        strict = values > kth
+    position = len(values) - k if largest else k - 1  # of the k-th, in ascending order
+    if xp is np:
+        kth = np.partition(values, position)[position]
     else:
-        kth = values.kthvalue(k).values
-        strict = values < kth
-    ties = (values == kth).nonzero().squeeze(1)[: k - int(strict.sum())]
-    return torch.cat([index[strict], index[ties]])
+        kth = values.kthvalue(position + 1).values
+    strict = values > kth if largest else values < kth
+    ties = nonzero_of(xp, values == kth)[: k - int(strict.sum())]
+    return xp.concatenate([index[strict], index[ties]])

@@ -64,12 +64,17 @@ def refill_groups(
     grown = ops.array(grown_tensor).reshape(-1, m)
     grown[...] = False
     groups = ops.array(survivors).reshape(-1, m)
-    short = ops.nonzero(_group_counts(ops, groups) < n)
-    if len(short):
-        kept = ops.take_rows(groups, short)
-        scores = ops.xp.where(kept, float("inf"), keys(short))  # survivors come first
+    word = _WORDS.get(m) if ops.xp is np else None
+    for start in range(0, len(groups), CHUNK_GROUPS):  # temporaries stay small
+        part = groups[start : start + CHUNK_GROUPS]
+        short = ops.nonzero(_group_counts(ops, part) < n)
+        if len(short) == 0:
+            continue
+        kept = ops.take_rows(part, short)
+        short = short + start
+        scores = keys(short)
+        scores[kept] = float("inf")  # survivors come first
         chosen = _top_n_per_row(ops, scores, n) & ~kept
-        word = _WORDS.get(m) if ops.xp is np else None
         if word is not None:  # a group's flags as one machine word: a cheaper scatter
             grown.view(word)[short] = np.ascontiguousarray(chosen).view(word)
         else:
@@ -77,6 +82,8 @@ def refill_groups(
     return grown_tensor.view(survivors.shape)
 
 
+CHUNK_GROUPS = 1 << 14
+"""Groups (and tiles) worked on at once: their temporaries stay a few MiB."""
 _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -196,42 +203,60 @@ def refill_tiles(
 ) -> Tensor | None:
     """The positions to regrow in a transposable 2:4 weight (2-D, both dimensions multiples of
     4, every tile an exactly-2 pattern before the drop) after ``dropped`` left ``survivors``:
-    per tile, the best completion by ``keys``, or one drawn uniformly (reproducibly from
-    ``seed``) when ``keys`` is ``None``; a tile with a single completion regrows what it
-    dropped. Returns a bool tensor shaped like ``survivors`` (``out``, if given), or ``None``
-    if some tile's survivors fit no pattern (a mask that was not transposable)."""
+    per tile, the best completion by ``keys``, or one drawn uniformly (a hash of ``seed`` and
+    the tile's position) when ``keys`` is ``None``; a tile with a single completion regrows
+    what it dropped. Returns a bool tensor shaped like ``survivors`` (``out``, if given), or
+    ``None`` if some tile's survivors fit no pattern (a mask that was not transposable)."""
     if sys.byteorder != "little":
         return None
     tables = _tile_tables(ops)
     rows, cols = survivors.shape
-    codes = tile_codes(ops, ops.array(survivors))
-    count = tables.count[codes]
-    if bool((count == 0).any()):
-        return None
+    per_row = cols // 4
+    band = max(1, CHUNK_GROUPS // per_row)  # tile rows worked on at once
+    mask_rows = ops.array(survivors)
     # a single completion takes back what was dropped
     grown = dropped.clone() if out is None else out.view(rows, cols).copy_(dropped)
-    choice = ops.nonzero(count > 1)
-    if len(choice) == 0:
-        return grown
-    codes, count = codes[choice], count[choice]
-    if keys is None:
-        generator = torch.Generator().manual_seed(seed)
-        draw = ops.array(
-            torch.rand(len(choice), generator=generator, dtype=torch.float64).to(
-                ops.device
-            )
-        )
-        pick = ops.to_int64(draw * count)
-        pattern = tables.completions[tables.first[codes] + pick]
-    else:
-        pattern = _best_completions(ops, keys(choice), codes, count, tables)
-    added = tables.codes[pattern] & ~codes
     words = ops.array(grown).view(np.int32 if ops.xp is np else torch.int32)
-    words = words.reshape(rows // 4, 4, cols // 4)
-    tile_row, tile_col = choice // (cols // 4), choice % (cols // 4)
-    for r in range(4):
-        words[tile_row, r, tile_col] = tables.nibble_word[(added >> (4 * r)) & 0xF]
+    words = words.reshape(rows // 4, 4, per_row)
+    for r0 in range(0, rows // 4, band):
+        codes = tile_codes(ops, mask_rows[4 * r0 : 4 * (r0 + band)])
+        count = ops.take(tables.count, codes)
+        if bool((count == 0).any()):
+            return None  # (what was written to ``grown`` is discarded)
+        choice = ops.nonzero(count > 1)
+        if len(choice) == 0:
+            continue
+        codes, count = codes[choice], count[choice]
+        tiles = choice + r0 * per_row
+        if keys is None:
+            pick = (uniform_bits(ops, tiles, seed) * count) >> 53
+            pattern = ops.take(tables.completions, ops.take(tables.first, codes) + pick)
+        else:
+            pattern = _best_completions(ops, keys(tiles), codes, count, tables)
+        added = ops.take(tables.codes, pattern) & ~codes
+        tile_row, tile_col = tiles // per_row, tiles % per_row
+        for r in range(4):
+            nibble = (added >> (4 * r)) & 0xF
+            words[tile_row, r, tile_col] = ops.take(tables.nibble_word, nibble)
     return grown
+
+
+def uniform_bits(ops: Ops, index, seed: int):
+    """53 uniform random bits (int64) per entry of ``index``, a hash of ``(seed, index)``: the
+    same on every device and however the indices are split (SplitMix64's mixer, with the
+    shifts masked so that arithmetic and logical shifts agree)."""
+    x = ops.to_int64(index) * _signed(0x9E3779B97F4A7C15) + _signed(
+        (seed * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) % (1 << 64)
+    )
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return (x >> 11) & ((1 << 53) - 1)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _best_completions(ops: Ops, keys, codes, count, tables: _TileTables):
@@ -251,11 +276,23 @@ def _best_completions(ops: Ops, keys, codes, count, tables: _TileTables):
         pair_sums[:, :, q] = position[:, :, a] + position[:, :, b]
     pair_sums = pair_sums.reshape(-1)
     best = codes.copy() if ops.xp is np else codes.clone()
-    for k in ops.unique(count):
-        tiles = ops.nonzero(count == k)
-        slot = tables.first[codes[tiles]][:, None] + ops.arange(k)  # (tiles, k)
-        parts = pair_sums[tables.completion_pairs[slot] + 24 * tiles[:, None, None]]
+    for low, high in _WIDTHS:
+        tiles = ops.nonzero((count >= low) & (count <= high))
+        if len(tiles) == 0:
+            continue
+        width = ops.arange(high)
+        present = width < ops.take(count, tiles)[:, None]
+        first = ops.take(tables.first, ops.take(codes, tiles))
+        slot = first[:, None] + width * present  # (tiles, high): a completion's index
+        where = ops.take_rows(tables.completion_pairs, slot)  # (tiles, high, 4)
+        where += (24 * tiles)[:, None, None]
+        parts = ops.take(pair_sums, where)
         totals = parts[:, :, 0] + parts[:, :, 1] + parts[:, :, 2] + parts[:, :, 3]
+        totals[~present] = -float("inf")
         chosen = slot[ops.arange(len(tiles)), ops.argmax_rows(totals)]
-        best[tiles] = tables.completions[chosen]
+        best[tiles] = ops.take(tables.completions, chosen)
     return best
+
+
+_WIDTHS = ((2, 2), (3, 4), (5, 7), (8, 15), (16, 90))
+"""Buckets of completion counts, each evaluated at once (a tile has 2-7 completions mostly)."""

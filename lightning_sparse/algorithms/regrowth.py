@@ -20,7 +20,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_sparse.algorithms.nm_refill import Keys, refill_groups, refill_tiles
+from lightning_sparse.algorithms.nm_refill import (
+    Keys,
+    refill_groups,
+    refill_tiles,
+    uniform_bits,
+)
 from lightning_sparse.array_ops import Ops, ops_for
 from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
 from lightning_sparse.random_subset import random_subset
@@ -108,16 +113,14 @@ class ByScore(Regrowth):
         groups = ops.array(self.score.detach()).reshape(-1, target.m)
 
         def keys(index):
-            chosen = ops.take_rows(groups, index)
-            return abs(chosen) if self.magnitude else chosen
+            chosen = ops.take_rows(groups, index)  # a copy: free to change in place
+            return ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
 
         return keys
 
     def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
         cols = survivors.shape[1]
-        tile_rows = ops.array(self.score.detach()).reshape(
-            -1, 4
-        )  # 4 keys of a tile row
+        tile_rows = ops.array(self.score.detach()).reshape(-1, 4)  # a tile row's 4 keys
         per_row = cols // 4
 
         def keys(index):
@@ -125,7 +128,7 @@ class ByScore(Regrowth):
             first = 4 * (index // per_row) * per_row + index % per_row
             where = first[:, None] + per_row * ops.arange(4)
             chosen = ops.take_rows(tile_rows, where.reshape(-1)).reshape(-1, 16)
-            return abs(chosen) if self.magnitude else chosen
+            return ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
 
         return keys, 0
 
@@ -143,9 +146,10 @@ class AtRandom(Regrowth):
         return random_score(like, self.seed)
 
     def _group_keys(self, ops: Ops, survivors: Tensor, target: NM) -> Keys:
-        generator = torch.Generator().manual_seed(self.seed)
-        return lambda index: ops.array(
-            torch.rand((len(index), target.m), generator=generator).to(ops.device)
+        # a hash of (seed, position) per position: the same however the groups are split
+        cells = ops.arange(target.m)
+        return lambda index: ops.to_float64(
+            uniform_bits(ops, index[:, None] * target.m + cells, self.seed)
         )
 
     def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
