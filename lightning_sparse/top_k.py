@@ -213,7 +213,10 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
     index, values = xp.concatenate(band_index), xp.concatenate(band_value)
     if not 0 <= missing <= len(index):
         return False
-    picked = _first_k(xp, values, missing, c.largest, index)
+    if inner is not None and inner == outer:  # the band is one block of equal values
+        picked = index[:missing]
+    else:
+        picked = _first_k(xp, values, missing, c.largest, index)
     chosen.index_fill_(0, as_tensor(picked, c.flat.device).to(torch.int64), True)
     return True
 

@@ -3,14 +3,17 @@
 At every update, a :class:`DropAndGrow` algorithm drops the ``drop_fraction`` of each layer's
 active weights with the smallest magnitude and regrows as many where :meth:`~DropAndGrow.grow_score`
 is largest among the weights that are not active after the drop: ``set`` (Mocanu et al., 2018)
-at random, ``rigl`` (Evci et al., 2020) where the dense gradient is largest. Each layer keeps its
-number of active weights (the phase's ``distribution`` sets the numbers at the phase start), so
-the target holds exactly after every update. In an ``"N:M"`` phase the drop picks the smallest
-active weights of the whole layer and every group of M regrows as many as it lost, inside the
-group, so exactly N stay in every group and the masks keep running on N:M kernels. The regrowth
-goes through the algorithm's ``select``, so a ``"2:4"`` weight with both dimensions multiples of
-4 stays transposable (2 per row and per column of every 4x4 tile: each tile regrows, among the
-patterns that keep its survivors, the one with the highest grow scores).
+uniformly at random, ``rigl`` (Evci et al., 2020) where the dense gradient's magnitude is
+largest. Equal magnitudes (or scores) are broken by position: the lower flat index is dropped,
+or regrown, first. Each layer keeps its number of active weights (the phase's ``distribution``
+sets the numbers at the phase start), so the target holds exactly after every update. In an
+``"N:M"`` phase the drop picks the smallest active weights of the whole layer and every group of
+M regrows as many as it lost, inside the group, so exactly N stay in every group and the masks
+keep running on N:M kernels. The regrowth follows the algorithm's ``select``, so a ``"2:4"``
+weight with both dimensions multiples of 4 stays transposable (2 per row and per column of every
+4x4 tile: each tile regrows, among the patterns that keep its survivors, the one with the
+highest total grow score, or under ``set`` one drawn uniformly; see
+:mod:`~lightning_sparse.algorithms.nm_refill`).
 
 Semantics of an update step (the sparsifier runs it before the optimizer step):
 
