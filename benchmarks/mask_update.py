@@ -6,13 +6,15 @@ The weights are the 124.4 M parameters of GPT-2 small's weight matrices: 12 bloc
 mask update and the AdamW step (torch's default AdamW, state already allocated) touch the same
 tensors. Everything runs in this process, interleaved, with the same number of threads.
 
-For each algorithm, ``Sparsifier.before_optimizer_step`` is timed at update steps and at plain
-steps. A plain step only masks the gradients (every hard-mask step pays that); an update step
-also checks finiteness, chooses the new masks, zeroes the weights and optimizer state whose mask
-changed, and then masks the gradients. "Mask update" is the difference of the medians; "phase
+For each algorithm (starting from the same dense weights), ``Sparsifier.before_optimizer_step``
+is timed at update steps and at plain steps, each followed by an (untimed) optimizer step, with
+different gradients at consecutive updates, as in training. A plain step only masks the
+gradients (every hard-mask step pays that); an update step also checks finiteness, chooses the
+new masks, zeroes the weights and optimizer state whose mask changed, and then masks the
+gradients. "Mask update" is the difference of the medians; "phase
 start" is choosing the first masks when the phase begins.
 
-    python benchmarks/mask_update.py                  # ~6 minutes, ~5 GB, 1 thread
+    python benchmarks/mask_update.py                  # ~6 minutes, ~6 GB, 1 thread
     python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms set rigl
 """
 
@@ -98,15 +100,18 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT2SmallWeights()
     params = list(model.parameters())
-    grads = [torch.randn_like(p) for p in params]
+    # two sets of gradients: consecutive updates see different ones, as in training (with the
+    # same gradient twice, RigL would regrow the very weights it just dropped and change nothing)
+    grads = [[torch.randn_like(p) for p in params] for _ in range(2)]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
 
-    def fresh_gradients() -> None:
-        for p, g in zip(params, grads):
+    def fresh_gradients(step: int = 0) -> None:
+        for p, g in zip(params, grads[step // 2 % 2]):
             p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
 
     fresh_gradients()
     optimizer.step()  # allocate the state
+    dense = [p.detach().clone() for p in params]  # every algorithm starts from these
     numel = sum(p.numel() for p in params)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
@@ -119,6 +124,9 @@ def main() -> None:
         for name in args.algorithms:
             fresh_gradients()
             adamw.append(seconds(optimizer.step))
+            with torch.no_grad():  # not the weights an earlier algorithm pruned
+                for p, w in zip(params, dense):
+                    p.copy_(w)
             phases = resolve_phases([Phase.from_any(ALGORITHMS[name])], 100_000)
             sparsifier = Sparsifier(name, targets, phases)
             record = times[name]
@@ -127,7 +135,7 @@ def main() -> None:
             )
             if sparsifier.algorithm is not None and sparsifier.algorithm.dynamic:
                 for step in (1, 2, 3, 4):
-                    fresh_gradients()
+                    fresh_gradients(step)
                     kind = (
                         "update"
                         if sparsifier.algorithm.is_update_step(step)
@@ -140,6 +148,7 @@ def main() -> None:
                             )
                         )
                     )
+                    optimizer.step()  # as in training: regrown weights move off zero
             sparsifier.close()
             print(
                 f"  repeat {repeat + 1}: {name:<16} phase start {record['start'][-1]:6.2f} s"

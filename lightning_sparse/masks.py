@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse.array_ops import flat_nonzero
+from lightning_sparse.top_k import top_k_mask
+
 
 @dataclass(frozen=True)
 class NM:
@@ -101,36 +104,24 @@ def topk_mask(score: Tensor, target: Sparsity) -> Tensor:
 
 
 def keep_top(score: Tensor, k: int) -> Tensor:
-    """Keep exactly the ``k`` highest-``score`` entries of ``score`` (any shape).
-
-    Exact for any input, and fast on large tensors: two thresholds estimated from a strided
-    sample bracket the ``k``-th largest score, and only the entries between them are ranked
-    (a few elementwise passes instead of a full ``topk``: about 3x faster on the CPU). Ties are
-    broken deterministically (the same input gives the same mask).
+    """Keep exactly the ``k`` highest-``score`` entries of ``score`` (any shape); among equal
+    scores, the lower flat index is kept (see :func:`~lightning_sparse.top_k.top_k_mask`: one
+    pass over the scores, however large).
 
     >>> keep_top(torch.tensor([[0.5, 2.0], [1.0, -1.0]]), 2).tolist()
     [[False, True], [True, False]]
     """
-    flat = score.reshape(-1)
-    if not 0 <= k <= flat.numel():
-        raise ValueError(f"cannot keep {k} of {flat.numel()} entries")
-    mask = None
-    if 0 < k < flat.numel() and flat.numel() > _LARGE:
-        mask = _keep_top_bracketed(flat, k)
-    if mask is None:  # small tensor, or the estimate missed: rank everything
-        mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-        mask[top_indices(flat, k)] = True
-    return mask.reshape(score.shape)
+    if not 0 <= k <= score.numel():
+        raise ValueError(f"cannot keep {k} of {score.numel()} entries")
+    return top_k_mask(score, k)
 
 
 def top_indices(
     score: Tensor, k: int, largest: bool = True, exclude: Tensor | None = None
 ) -> Tensor:
-    """Flat indices of the ``k`` highest (``largest=False``: lowest) entries of ``score``,
-    leaving out the entries where ``exclude`` (a bool tensor shaped like ``score``) is set.
-
-    Exact; fast when ``k`` is at most half of the eligible entries: a threshold estimated from a
-    strided sample leaves about ``k`` candidates, and only those are ranked.
+    """Ascending flat indices of the ``k`` highest (``largest=False``: lowest) entries of
+    ``score``, leaving out the entries where ``exclude`` (a bool tensor shaped like ``score``)
+    is set; ties go to the lower index.
 
     >>> score = torch.tensor([[0.5, 2.0], [1.0, -1.0]])
     >>> top_indices(score, 1, largest=False).tolist()
@@ -138,91 +129,18 @@ def top_indices(
     >>> top_indices(score, 1, exclude=torch.tensor([[False, True], [False, False]])).tolist()
     [2]
     """
-    flat = score.reshape(-1)
-    skip = None if exclude is None else exclude.reshape(-1)
-    available = flat.numel() - (0 if skip is None else int(torch.count_nonzero(skip)))
-    if not 0 <= k <= available:
-        raise ValueError(f"cannot pick {k} of {available} eligible entries")
-    if 0 < 2 * k <= available and flat.numel() > _LARGE:
-        sample = flat[:: max(1, flat.numel() // _SAMPLE)]
-        if skip is not None:
-            sample = sample[~skip[:: max(1, flat.numel() // _SAMPLE)]]
-        threshold = _sample_quantile(sample, k / available, +1, largest)
-        passed = flat >= threshold if largest else flat <= threshold
-        candidates = passed.nonzero().squeeze(1)
-        if skip is not None:
-            candidates = candidates[~skip[candidates]]
-        if candidates.numel() >= k:
-            return _best(flat, candidates, k, largest)
-    if skip is None:
-        return flat.topk(k, largest=largest, sorted=False).indices
-    return _best(flat, (~skip).nonzero().squeeze(1), k, largest)
+    return flat_nonzero(top_k_mask(score, k, largest=largest, excluding=exclude))
 
 
 def drop_smallest(weight: Tensor, mask: Tensor, n_drop: int) -> Tensor:
-    """A copy of ``mask`` without its ``n_drop`` kept entries of smallest ``|weight|``.
+    """A copy of ``mask`` without its ``n_drop`` kept entries of smallest ``|weight|`` (ties: the
+    lower flat index is dropped first).
 
     >>> drop_smallest(torch.tensor([3.0, -0.5, 2.0, 9.0]), torch.tensor([True, True, True, False]), 2).tolist()
     [True, False, False, False]
     """
-    flat_mask = mask.reshape(-1)
-    flat = weight.detach().reshape(-1)
-    survivors = flat_mask.clone()
-    if 4 * int(torch.count_nonzero(flat_mask)) <= flat_mask.numel():
-        # a sparse mask: rank the kept magnitudes only
-        kept = flat_mask.nonzero().squeeze(1)
-        survivors[kept[top_indices(flat[kept].abs(), n_drop, largest=False)]] = False
-    else:  # a dense mask: push the pruned entries out of reach instead of gathering
-        magnitude = flat.abs()
-        magnitude += (~flat_mask).to(flat.dtype) * torch.finfo(flat.dtype).max
-        survivors[top_indices(magnitude, n_drop, largest=False)] = False
-    return survivors.reshape(mask.shape)
-
-
-_SAMPLE = 1 << 14
-_LARGE = 1 << 16
-
-
-def _best(flat: Tensor, candidates: Tensor, k: int, largest: bool) -> Tensor:
-    """The ``k`` of ``candidates`` (flat indices) with the highest (or lowest) scores."""
-    if candidates.numel() == k:
-        return candidates
-    chosen = flat[candidates].topk(k, largest=largest, sorted=False).indices
-    return candidates[chosen]
-
-
-def _sample_quantile(
-    sample: Tensor, fraction: float, side: int, largest: bool
-) -> Tensor:
-    """The value that a ``fraction`` of ``sample`` lies beyond (above if ``largest``), moved
-    by a safety margin of about 4 standard deviations towards more (``side=+1``) or fewer
-    (``side=-1``) entries beyond it. Returns ``+-inf`` for an empty sample."""
-    if sample.numel() == 0:
-        return torch.tensor(-math.inf if largest == (side > 0) else math.inf)
-    margin = 4.0 * math.sqrt(sample.numel() * fraction * (1.0 - fraction)) + 16
-    position = int(fraction * sample.numel() + side * margin)
-    position = min(sample.numel() - 1, max(0, position))
-    return sample.sort(descending=largest).values[position]
-
-
-def _keep_top_bracketed(flat: Tensor, k: int) -> Tensor | None:
-    """``keep_top`` through a bracket ``low <= k-th largest <= high`` estimated from a strided
-    sample; ``None`` if the bracket misses (the caller then ranks everything)."""
-    sample = flat[:: max(1, flat.numel() // _SAMPLE)]
-    fraction = k / flat.numel()
-    high = _sample_quantile(sample, fraction, -1, largest=True)
-    low = _sample_quantile(sample, fraction, +1, largest=True)
-    sure = flat > high
-    missing = k - int(torch.count_nonzero(sure))
-    if missing < 0:
-        return None
-    band = flat >= low
-    band ^= sure  # sure is a subset of band: what remains lies between the thresholds
-    between = band.nonzero().squeeze(1)
-    if between.numel() < missing:
-        return None
-    sure[_best(flat, between, missing, largest=True)] = True
-    return sure
+    dropped = top_k_mask(weight, n_drop, largest=False, magnitude=True, among=mask)
+    return mask & ~dropped
 
 
 def name_seed(seed: int, name: str, step: int = 0) -> int:

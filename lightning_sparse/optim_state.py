@@ -21,6 +21,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from lightning_sparse.array_ops import zero_where_
+
 
 @torch.no_grad()
 def zero_optimizer_state(
@@ -40,6 +42,6 @@ def zero_optimizer_state(
                 and value.is_floating_point()
             ):
                 if where.dtype == torch.bool:
-                    value.masked_fill_(where, 0)
+                    zero_where_(value, where)
                 else:
                     value.view(-1).index_fill_(0, where, 0)

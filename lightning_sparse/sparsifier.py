@@ -40,6 +40,13 @@ from lightning_sparse.algorithms import (
     SparsityAlgorithm,
     build_algorithm,
 )
+from lightning_sparse.array_ops import (
+    count_true,
+    flat_nonzero,
+    free_scratch,
+    multiply_by_mask_,
+    multiply_by_masks_,
+)
 from lightning_sparse.backends import (
     BackendChoice,
     choose_backend,
@@ -200,13 +207,14 @@ class Sparsifier:
             )
             for name, weight in weights.items()
         }
-        self._apply(masks, optimizers, previous=None)
+        self._apply(masks, optimizers)
 
     def _leave(self) -> None:
         for t in self.targets:
             for _, module, _ in t.owners:
                 uninstall_forward(module)
         self.masks = {}
+        free_scratch()
         self._grad_lists.clear()
         self.current = None
 
@@ -220,36 +228,53 @@ class Sparsifier:
         self,
         masks: dict[str, Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
-        previous: dict[str, Tensor] | None,
         zero_state: bool = True,
     ) -> None:
-        """Make ``masks`` (whole-tensor masks, identical on every rank) take effect. Stored masks
-        are laid out like their parameters (sharded for a DTensor); a straight-through forward
-        keeps the whole mask, since it runs on the gathered weight."""
+        """Make new ``masks`` (whole-tensor masks, identical on every rank) take effect: pruned
+        weights become zeros and, with ``zero_state``, so does their optimizer state. Stored
+        masks are laid out like their parameters (sharded for a DTensor); a straight-through
+        forward keeps the whole mask, since it runs on the gathered weight."""
         algo = self.algorithm
         assert algo is not None
-        stored = {}
         for t in self.targets:
-            new = stored[t.name] = shard_like(masks[t.name], t.param)
+            mask = self.masks[t.name] = shard_like(masks[t.name], t.param)
             self._install_forward(t, algo, masks[t.name])
             if not algo.straight_through:
-                old = None if previous is None else previous.get(t.name)
-                plain = (
-                    type(t.param.detach()) is torch.Tensor and t.param.is_contiguous()
-                )
-                if old is None or not plain:
-                    t.param.mul_(new)
-                    changed = ~new if old is None else old ^ new
-                else:  # pruned weights are (signed) zeros: multiplying where the mask changed
-                    # gives what mul_(new) gives, bit for bit, at a fraction of the cost
-                    changed = (old ^ new).view(-1).nonzero().squeeze(1)
-                    flat = t.param.view(-1)
-                    kept = new.view(-1).index_select(0, changed)
-                    flat.index_copy_(0, changed, flat.index_select(0, changed) * kept)
+                multiply_by_mask_(t.param.detach(), mask)
                 if zero_state:
-                    zero_optimizer_state(optimizers, t.param, changed)
-        self.masks = stored
+                    zero_optimizer_state(optimizers, t.param, ~mask)
         self._grad_lists.clear()
+
+    @torch.no_grad()
+    def _apply_change(
+        self,
+        t: ParamTarget,
+        mask: Tensor,
+        changed: Tensor | None,
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> None:
+        """Make ``t``'s updated (whole-tensor) ``mask`` take effect where ``changed`` (bool, or
+        ``None``: nowhere) says it changed: there the weight is multiplied by the mask (a
+        dropped weight becomes a zero of its sign, bit for bit what multiplying the whole
+        weight gives) and the optimizer state is zeroed (a regrown weight starts clean)."""
+        algo = self.algorithm
+        assert algo is not None
+        stored = self.masks[t.name] = shard_like(mask, t.param)
+        self._install_forward(t, algo, mask)
+        if algo.straight_through or changed is None:
+            return
+        weight = t.param.detach()
+        if type(weight) is not torch.Tensor:  # sharded: this rank's part of the change
+            changed = shard_like(changed, t.param)
+            weight.mul_(stored)
+        elif 64 * count_true(changed) < changed.numel() and weight.is_contiguous():
+            changed = flat_nonzero(changed)  # a few entries: by index
+            flat = weight.view(-1)
+            kept = stored.reshape(-1).index_select(0, changed)
+            flat.index_copy_(0, changed, flat.index_select(0, changed) * kept)
+        else:
+            multiply_by_mask_(weight, stored)
+        zero_optimizer_state(optimizers, t.param, changed)
 
     def _install_forward(
         self, t: ParamTarget, algo: SparsityAlgorithm, mask: Tensor
@@ -331,26 +356,19 @@ class Sparsifier:
             )
             return False
         weights = {t.name: gather_full(t.param.detach()) for t in self.targets}
-        current = {t.name: gather_full(self.masks[t.name]) for t in self.targets}
-        targets = algo.layer_targets(step, weights, current)
-        masks = {
-            t.name: algo.update_mask(
+        # plain tensors: the stored masks themselves, which the algorithm edits in place
+        masks = {t.name: gather_full(self.masks[t.name]) for t in self.targets}
+        targets = algo.layer_targets(step, weights, masks)
+        for t in self.targets:
+            grad = None if t.param.grad is None else gather_full(t.param.grad.detach())
+            changed = algo.update_mask_(
                 weights[t.name],
-                current[t.name],
+                masks[t.name],
                 targets[t.name],
-                MaskContext(
-                    t.name,
-                    step,
-                    algo.seed,
-                    None
-                    if t.param.grad is None
-                    else gather_full(t.param.grad.detach()),
-                ),
+                MaskContext(t.name, step, algo.seed, grad),
             )
-            for t in self.targets
-        }
-        previous = self.masks
-        self._apply(masks, optimizers, previous)
+            self._apply_change(t, masks[t.name], changed, optimizers)
+        self._grad_lists.clear()
         self.last_update_step = step
         return True
 
@@ -363,7 +381,8 @@ class Sparsifier:
         return all(_all_finite(x.detach()) for x in [*weights, *grads.values()])
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Zero the gradients of pruned weights (one fused pass per dtype/device)."""
+        """Zero the gradients of pruned weights (NumPy on the CPU, else one fused pass per
+        dtype/device)."""
         key = id(optimizer)
         if key not in self._grad_lists:
             in_opt = {
@@ -378,7 +397,7 @@ class Sparsifier:
         pairs = [(p.grad, m) for p, m in zip(params, masks) if p.grad is not None]
         if pairs:
             grads, grad_masks = zip(*pairs)
-            torch._foreach_mul_(list(grads), list(grad_masks))
+            multiply_by_masks_(list(grads), list(grad_masks))
 
     # -- observability --------------------------------------------------------------------------
     def target_sparsity(self, step: int) -> float:
@@ -464,7 +483,7 @@ class Sparsifier:
                 )
             masks[t.name] = mask.to(device=t.param.device, dtype=torch.bool)
         self.current = self.phases[index]
-        self._apply(masks, optimizers, previous=None, zero_state=False)
+        self._apply(masks, optimizers, zero_state=False)
 
 
 def _all_finite(x: Tensor) -> bool:

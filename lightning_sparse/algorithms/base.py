@@ -269,11 +269,36 @@ class SparsityAlgorithm:
         """The mask after an update step; the base class keeps the current mask."""
         return mask
 
+    def update_mask_(
+        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor | None:
+        """The in-place form the :class:`~lightning_sparse.sparsifier.Sparsifier` calls: turn
+        ``mask`` into what :meth:`update_mask` returns and say where it changed (a bool tensor
+        shaped like ``mask``, possibly a reused buffer: read it before the next update), or
+        return ``None`` if it did not change.
+
+        The default calls :meth:`update_mask` and compares; the built-in dynamic algorithms
+        edit ``mask`` directly (no copy of the mask, no comparison of the whole mask). A
+        subclass that overrides :meth:`update_mask` gets its rule used either way.
+        """
+        new = self.update_mask(weight, mask, target, ctx)
+        if new is mask:
+            return None
+        changed = new ^ mask
+        mask.copy_(new)
+        return changed
+
     def project(self, weight: Tensor) -> Tensor:
         """The mask derived from ``weight`` at every forward (only when ``projects`` is set)."""
         raise NotImplementedError(
             f"algorithm {self.name!r} does not project masks per forward"
         )
+
+
+def overrides(algorithm: SparsityAlgorithm, method: str, base: type) -> bool:
+    """Whether ``algorithm``'s class replaces ``base``'s ``method`` (a built-in fast path then
+    steps aside for the subclass's rule)."""
+    return getattr(type(algorithm), method) is not getattr(base, method)
 
 
 _REGISTRY: dict[str, type[SparsityAlgorithm]] = {}

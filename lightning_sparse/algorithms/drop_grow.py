@@ -3,14 +3,17 @@
 At every update, a :class:`DropAndGrow` algorithm drops the ``drop_fraction`` of each layer's
 active weights with the smallest magnitude and regrows as many where :meth:`~DropAndGrow.grow_score`
 is largest among the weights that are not active after the drop: ``set`` (Mocanu et al., 2018)
-at random, ``rigl`` (Evci et al., 2020) where the dense gradient is largest. Each layer keeps its
-number of active weights (the phase's ``distribution`` sets the numbers at the phase start), so
-the target holds exactly after every update. In an ``"N:M"`` phase the drop picks the smallest
-active weights of the whole layer and every group of M regrows as many as it lost, inside the
-group, so exactly N stay in every group and the masks keep running on N:M kernels. The regrowth
-goes through the algorithm's ``select``, so a ``"2:4"`` weight with both dimensions multiples of
-4 stays transposable (2 per row and per column of every 4x4 tile: each tile regrows, among the
-patterns that keep its survivors, the one with the highest grow scores).
+uniformly at random, ``rigl`` (Evci et al., 2020) where the dense gradient's magnitude is
+largest. Equal magnitudes (or scores) are broken by position: the lower flat index is dropped,
+or regrown, first. Each layer keeps its number of active weights (the phase's ``distribution``
+sets the numbers at the phase start), so the target holds exactly after every update. In an
+``"N:M"`` phase the drop picks the smallest active weights of the whole layer and every group of
+M regrows as many as it lost, inside the group, so exactly N stay in every group and the masks
+keep running on N:M kernels. The regrowth follows the algorithm's ``select``, so a ``"2:4"``
+weight with both dimensions multiples of 4 stays transposable (2 per row and per column of every
+4x4 tile: each tile regrows, among the patterns that keep its survivors, the one with the
+highest total grow score, or under ``set`` one drawn uniformly; see
+:mod:`~lightning_sparse.algorithms.nm_refill`).
 
 Semantics of an update step (the sparsifier runs it before the optimizer step):
 
@@ -40,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -51,19 +54,15 @@ from lightning_sparse.algorithms.base import (
     MaskContext,
     RunLength,
     SparsityAlgorithm,
+    overrides,
     register_algorithm,
 )
+from lightning_sparse.algorithms.regrowth import AtRandom, ByScore, Regrowth, Select
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
-from lightning_sparse.masks import (
-    NM,
-    Sparsity,
-    drop_smallest,
-    num_kept,
-    sparsity_fraction,
-    top_indices,
-    topk_mask,
-)
+from lightning_sparse.array_ops import count_true, scratch_mask
+from lightning_sparse.masks import NM, Sparsity, num_kept, sparsity_fraction, topk_mask
 from lightning_sparse.schedule import ResolvedPhase
+from lightning_sparse.top_k import top_k_mask
 
 DECAYS = {
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
@@ -79,37 +78,63 @@ def drop_and_grow(
     mask: Tensor,
     n_drop: int,
     target: Sparsity,
-    select: Callable[[Tensor, Sparsity], Tensor] = topk_mask,
+    select: Select = topk_mask,
 ) -> Tensor:
     """Drop the ``n_drop`` active entries of ``mask`` with the smallest ``|weight|`` and regrow
     the highest-``grow_score`` entries that are not active after the drop, so that ``target``
-    holds exactly. N:M: every group regrows as many as it lost, through ``select`` (an
-    algorithm's own, so a 2:4 layer that ``select`` makes transposable stays transposable)."""
-    n_active = int(torch.count_nonzero(mask))
+    holds exactly (ties: the lower flat index is dropped, or regrown, first). N:M: every group
+    regrows as many as it lost, through ``select`` (an algorithm's own, so a 2:4 layer that
+    ``select`` makes transposable stays transposable). ``mask`` is not modified."""
+    new = mask.clone()
+    drop_and_grow_(weight, new, n_drop, target, ByScore(grow_score), select)
+    return new
+
+
+@torch.no_grad()
+def drop_and_grow_(
+    weight: Tensor,
+    mask: Tensor,
+    n_drop: int,
+    target: Sparsity,
+    regrowth: Regrowth,
+    select: Select = topk_mask,
+) -> Tensor:
+    """:func:`drop_and_grow` in place, with the regrowth rule given: edits ``mask`` and
+    returns a bool tensor of the entries that changed (dropped and not regrown, or regrown and
+    not dropped; a reused buffer, valid until the next call)."""
+    n_active = count_true(mask)
     if isinstance(target, NM):
         n_survivors = n_active - n_drop
     else:
         kept = num_kept(mask.numel(), float(target))
         n_survivors = max(0, min(n_active, kept) - n_drop)
-    survivors = drop_smallest(weight, mask, n_active - n_survivors).reshape(-1)
+    changed = top_k_mask(
+        weight,
+        n_active - n_survivors,
+        largest=False,
+        magnitude=True,
+        among=mask,
+        n_eligible=n_active,
+        out=scratch_mask(mask.numel(), mask.device, slot=0),
+    ).view(mask.shape)
+    mask ^= changed  # the survivors
+    out = scratch_mask(mask.numel(), mask.device, slot=1)
     if isinstance(target, NM):
-        # survivors outscore everything (at most N per group, and a subset of a valid mask),
-        # then the best grow scores fill each group up
-        grow = grow_score.reshape(mask.shape)
-        low, high = torch.aminmax(grow)
-        bonus = 16 * (high - low) + 1
-        return select(
-            torch.where(survivors.view(mask.shape), bonus, grow - low), target
-        )
-    survivors[top_indices(grow_score, kept - n_survivors, exclude=survivors)] = True
-    return survivors.reshape(mask.shape)
+        grown = regrowth.refill(mask, changed, target, select, out=out)
+    else:
+        grown = regrowth.pick(mask, kept - n_survivors, out=out)
+    grown = grown.view(mask.shape)
+    mask |= grown
+    changed ^= grown  # a dropped entry that regrows is unchanged
+    return changed
 
 
 class DropAndGrow(SparsityAlgorithm):
     """Base class of dynamic sparse training by drop and regrowth (``set``, ``rigl``).
 
-    A subclass implements :meth:`grow_score`; everything else (drop by magnitude, exact counts,
-    N:M groups, the ``drop_fraction`` schedule, distributions) comes from here.
+    A subclass implements :meth:`grow_score` (with ``grow_by_magnitude = True``, the entries
+    of largest ``|grow_score|`` regrow); everything else (drop by magnitude, exact counts, N:M
+    groups, the ``drop_fraction`` schedule, distributions) comes from here.
 
     Example:
         >>> from lightning_sparse import register_algorithm
@@ -127,6 +152,7 @@ class DropAndGrow(SparsityAlgorithm):
     }
     default_update_stop_fraction = 0.75
     default_drop_fraction: ClassVar[float] = 0.3
+    grow_by_magnitude: ClassVar[bool] = False
 
     def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
         super().__init__(phase, run)
@@ -194,7 +220,7 @@ class DropAndGrow(SparsityAlgorithm):
         if masks is None or isinstance(target, NM):
             return super().layer_targets(step, weights, masks)
         return {
-            name: (mask.numel() - int(torch.count_nonzero(mask))) / mask.numel()
+            name: (mask.numel() - count_true(mask)) / mask.numel()
             for name, mask in masks.items()
         }
 
@@ -207,32 +233,53 @@ class DropAndGrow(SparsityAlgorithm):
             f"algorithm {self.name!r} subclasses DropAndGrow, so it must implement grow_score"
         )
 
+    def regrowth(
+        self, weight: Tensor, mask: Tensor, ctx: MaskContext
+    ) -> Regrowth | None:
+        """How this update regrows (``None``: keep the layer's mask): by :meth:`grow_score`."""
+        score = self.grow_score(weight, mask, ctx)
+        return None if score is None else ByScore(score, self.grow_by_magnitude)
+
     def update_mask(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
+        new = mask.clone()
+        self.update_mask_(weight, new, target, ctx)
+        return new
+
+    def update_mask_(
+        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor | None:
+        if overrides(self, "update_mask", DropAndGrow):
+            return super().update_mask_(weight, mask, target, ctx)
         # layer_targets keeps each layer's count, so the target says how many are active
         n_active = num_kept(mask.numel(), sparsity_fraction(target))
         n_drop = round(self.drop_fraction_at(ctx.step) * n_active)
         if n_drop == 0:
-            return mask
-        grow = self.grow_score(weight, mask, ctx)
-        if grow is None:
-            return mask
-        return drop_and_grow(weight, grow, mask, n_drop, target, self.select)
+            return None
+        regrowth = self.regrowth(weight, mask, ctx)
+        if regrowth is None:
+            return None
+        return drop_and_grow_(weight, mask, n_drop, target, regrowth, self.select)
 
 
 @register_algorithm("set")
 class SET(DropAndGrow):
-    """Sparse Evolutionary Training: regrow at random (seeded by the phase's ``seed``, the
-    parameter name and the step: identical on every rank and after a resume).
+    """Sparse Evolutionary Training: regrow uniformly at random among the inactive weights
+    (seeded by the phase's ``seed``, the parameter name and the step: identical on every rank
+    and after a resume; drawing costs about as many random numbers as weights regrow).
 
     Example:
         >>> from lightning_sparse import SparsityCallback
         >>> cb = SparsityCallback(phases=[{"sparsity": 0.9, "algorithm": "set", "update_every": 100}])
     """
 
-    def grow_score(self, weight: Tensor, mask: Tensor, ctx: MaskContext) -> Tensor:
-        return ctx.random_score(weight)
+    def regrowth(
+        self, weight: Tensor, mask: Tensor, ctx: MaskContext
+    ) -> Regrowth | None:
+        if overrides(self, "grow_score", SET):  # a subclass with its own scores
+            return super().regrowth(weight, mask, ctx)
+        return AtRandom(self.seed, ctx.name, ctx.step)
 
 
 @register_algorithm("rigl")
@@ -246,8 +293,9 @@ class RigL(DropAndGrow):
     """
 
     needs_grad = True
+    grow_by_magnitude = True
 
     def grow_score(
         self, weight: Tensor, mask: Tensor, ctx: MaskContext
     ) -> Tensor | None:
-        return None if ctx.grad is None else ctx.grad.abs()
+        return ctx.grad  # ranked by magnitude: |grad| is never materialized

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-import torch
 from torch import Tensor
 
 from lightning_sparse.algorithms.base import (
@@ -14,11 +13,14 @@ from lightning_sparse.algorithms.base import (
     MaskContext,
     RunLength,
     SparsityAlgorithm,
+    overrides,
     register_algorithm,
 )
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
+from lightning_sparse.array_ops import count_true, scratch_mask
 from lightning_sparse.masks import Sparsity, drop_smallest, num_kept
 from lightning_sparse.schedule import ResolvedPhase, parse_sparsity
+from lightning_sparse.top_k import top_k_mask
 
 RAMPS = {
     "cubic": lambda x: 1.0 - (1.0 - x) ** 3,
@@ -103,10 +105,29 @@ class GradualMagnitudePruning(SparsityAlgorithm):
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
         kept = num_kept(mask.numel(), float(target))
-        active = int(torch.count_nonzero(mask))
+        active = count_true(mask)
         if (
             kept <= active
         ):  # pruning further: drop the smallest survivors (the usual case)
             return drop_smallest(weight, mask, active - kept)
         # a schedule that goes down: pruned weights score -1, so they come back last
         return self.select(self.selection_score(weight, mask, ctx), target)
+
+    def update_mask_(
+        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor | None:
+        kept = num_kept(mask.numel(), float(target))
+        active = count_true(mask)
+        if overrides(self, "update_mask", GradualMagnitudePruning) or kept > active:
+            return super().update_mask_(weight, mask, target, ctx)
+        dropped = top_k_mask(
+            weight,
+            active - kept,
+            largest=False,
+            magnitude=True,
+            among=mask,
+            n_eligible=active,
+            out=scratch_mask(mask.numel(), mask.device),
+        ).view(mask.shape)
+        mask ^= dropped
+        return dropped

@@ -1,0 +1,298 @@
+"""Refilling N:M groups and transposable 2:4 tiles after a drop, exactly, where there is a choice.
+
+After the drop of a drop-and-grow update, every group of M along the input dimension (or every
+4x4 tile of a transposable 2:4 weight) that lost weights regrows as many:
+
+- row-wise N:M (:func:`refill_groups`): the group keeps its survivors and takes the free
+  positions with the highest keys, ties to the lower position;
+- transposable 2:4 (:func:`refill_tiles`): the tile becomes, among the 90 patterns with exactly
+  2 per row and per column that contain its survivors, the one whose added positions have the
+  largest total key (summed in float64: exact unless the keys of a tile span more than 2**29),
+  ties to the first pattern in increasing bit order; or, for random regrowth, one of those
+  patterns drawn uniformly.
+
+Only groups and tiles with a choice are worked on: a tile that lost one weight can only take it
+back (after a 30% drop, about 45% of the tiles of a 2:4 layer have a single completion), and a
+group that lost nothing keeps its weights. The work runs through
+:class:`~lightning_sparse.array_ops.Ops` (NumPy on the CPU, torch elsewhere); ``keys`` callbacks
+receive and return arrays of that namespace.
+
+Example:
+    >>> import torch
+    >>> from lightning_sparse.array_ops import ops_for
+    >>> from lightning_sparse.masks import NM
+    >>> survivors = torch.tensor([[True, False, False, False, False, False, True, True]])
+    >>> keys = torch.tensor([[0.0, 0.5, 0.9, 0.1, 3.0, 2.0, 0.0, 0.0]])
+    >>> ops = ops_for(survivors)
+    >>> groups = ops.array(keys).reshape(-1, 4)
+    >>> grown = refill_groups(ops, survivors, NM(2, 4), lambda index: groups[index])
+    >>> grown.int().tolist()
+    [[0, 0, 1, 0, 0, 0, 0, 0]]
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_sparse.array_ops import Ops
+from lightning_sparse.masks import NM
+from lightning_sparse.tile_masks import _patterns_cpu
+
+Keys = Callable[[object], object]
+"""Given ascending group (or tile) indices, the keys of their positions: ``(len, M)`` for groups,
+``(len, 16)`` (row-major within the tile) for tiles; the highest keys regrow."""
+
+_PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+
+
+def refill_groups(
+    ops: Ops, survivors: Tensor, target: NM, keys: Keys, out: Tensor | None = None
+) -> Tensor:
+    """The positions to regrow so that every group of ``target.m`` along the last axis of
+    ``survivors`` (viewed as ``(out, -1)``) holds ``target.n`` again: in each group that lost
+    some, the free positions with the highest ``keys`` (ties: the lower position). Returns a
+    bool tensor shaped like ``survivors`` (``out``, if given)."""
+    n, m = target.n, target.m
+    grown_tensor = torch.empty_like(survivors) if out is None else out
+    grown = ops.array(grown_tensor).reshape(-1, m)
+    grown[...] = False
+    groups = ops.array(survivors).reshape(-1, m)
+    word = _WORDS.get(m) if ops.xp is np else None
+    for start in range(0, len(groups), CHUNK_GROUPS):  # temporaries stay small
+        part = groups[start : start + CHUNK_GROUPS]
+        short = ops.nonzero(_group_counts(ops, part) < n)
+        if len(short) == 0:
+            continue
+        kept = ops.take_rows(part, short)
+        short = short + start
+        scores = keys(short)
+        scores[kept] = float("inf")  # survivors come first
+        chosen = _top_n_per_row(ops, scores, n) & ~kept
+        if word is not None:  # a group's flags as one machine word: a cheaper scatter
+            grown.view(word)[short] = np.ascontiguousarray(chosen).view(word)
+        else:
+            grown[short] = chosen
+    return grown_tensor.view(survivors.shape)
+
+
+CHUNK_GROUPS = 1 << 14
+"""Groups (and tiles) worked on at once: their temporaries stay a few MiB."""
+_WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _group_counts(ops: Ops, groups):
+    """How many entries of each row of the bool ``(groups, m)`` array are set."""
+    if ops.xp is np and groups.shape[1] == 4:  # 4 bytes of 0/1 summed in the top byte
+        words = groups.view(np.uint32).reshape(-1)
+        return (words * np.uint32(0x01010101)) >> np.uint32(24)
+    return groups.sum(1)
+
+
+def _top_n_per_row(ops: Ops, scores, n: int):
+    """Per row of ``scores``, the ``n`` highest (ties: the lower column), as a bool mask."""
+    rows, m = scores.shape
+    xp = ops.xp
+    if m > 8:
+        order = xp.argsort(-scores, axis=1, kind="stable") if xp is np else None
+        if order is None:
+            order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+        chosen = xp.zeros(scores.shape, dtype=bool) if xp is np else None
+        if chosen is None:
+            return torch.zeros_like(scores, dtype=torch.bool).scatter_(
+                1, order[:, :n], True
+            )
+        np.put_along_axis(chosen, order[:, :n], True, axis=1)
+        return chosen
+    # rank by pairwise comparisons: a handful of vector ops over contiguous columns
+    columns = scores.T.copy() if xp is np else scores.t().contiguous()
+    rank = (
+        np.zeros((m, rows), dtype=np.int8)
+        if xp is np
+        else torch.zeros((m, rows), dtype=torch.int8, device=scores.device)
+    )
+    for i in range(m):
+        for j in range(i + 1, m):
+            j_first = columns[j] > columns[i]  # a tie goes to the lower column i
+            rank[i] += j_first
+            rank[j] += ~j_first
+    return (rank < n).T
+
+
+@dataclass(frozen=True)
+class _TileTables:
+    codes: Tensor  # (90,) int64: the 2:4 patterns with 2 per row and column, ascending
+    count: Tensor  # (65536,) int64: how many of them contain each 16-bit survivor code
+    first: Tensor  # (65536,) int64: where that code's patterns start in ``completions``
+    completions: Tensor  # pattern indices, grouped by survivor code, ascending
+    completion_pairs: Tensor  # (len(completions), 4): 6 * row + the pair the row keeps
+    nibble_word: (
+        Tensor  # (16,) int32: a tile row's 4 flags as 4 bool bytes (native order)
+    )
+
+
+@functools.cache
+def _tile_tables_cpu() -> _TileTables:
+    patterns = _patterns_cpu(True)  # (90, 16) bool, position 4 * row + col
+    codes = (patterns.long() << torch.arange(16)).sum(1)
+    survivor = torch.arange(1 << 16)
+    contains = (survivor[:, None] & codes[None, :]) == survivor[:, None]
+    count = contains.sum(1)
+    first = count.cumsum(0) - count
+    completions = contains.nonzero()[:, 1]
+    pair_index = {pair: i for i, pair in enumerate(_PAIRS)}
+    pair_of_row = torch.tensor(
+        [
+            [pair_index[tuple(row.nonzero().squeeze(1).tolist())] for row in p]
+            for p in patterns.view(90, 4, 4)
+        ]
+    )
+    completion_pairs = (pair_of_row + 6 * torch.arange(4))[completions]
+    nibbles = ((torch.arange(16)[:, None] >> torch.arange(4)) & 1).to(torch.bool)
+    nibble_word = nibbles.contiguous().view(torch.int32).view(16)
+    return _TileTables(codes, count, first, completions, completion_pairs, nibble_word)
+
+
+def _tile_tables(ops: Ops) -> _TileTables:
+    return _tile_tables_in(ops.xp is np, ops.device)
+
+
+@functools.cache
+def _tile_tables_in(numpy: bool, device: torch.device) -> _TileTables:
+    """The tables as NumPy arrays (``numpy``) or as tensors on ``device``."""
+    tables = _tile_tables_cpu()
+    ops = Ops(np if numpy else torch, device)
+    return _TileTables(*(ops.array(t.to(device)) for t in vars(tables).values()))
+
+
+def tile_codes(ops: Ops, mask):
+    """The 16-bit code ``sum(2**(4 * row + col))`` of every 4x4 tile of a 2-D bool array, in
+    row-major tile order (int64)."""
+    rows, cols = mask.shape
+    if ops.xp is np:
+        # 8 bits per byte along each row: tile column 2j is byte j's low nibble, 2j+1 its high
+        packed = np.packbits(mask, axis=1, bitorder="little").reshape(rows // 4, 4, -1)
+        nibbles = np.empty((rows // 4, 4, cols // 4), dtype=np.int64)
+        nibbles[:, :, 0::2] = packed[:, :, : (cols // 4 + 1) // 2] & 0xF
+        nibbles[:, :, 1::2] = packed[:, :, : cols // 8] >> 4
+        codes = (
+            nibbles[:, 0]
+            | nibbles[:, 1] << 4
+            | nibbles[:, 2] << 8
+            | nibbles[:, 3] << 12
+        )
+        return codes.reshape(-1)
+    tiles = mask.view(rows // 4, 4, cols // 4, 4).permute(0, 2, 1, 3)
+    weights = (1 << torch.arange(16, device=mask.device)).view(4, 4)
+    return (tiles.to(torch.int64) * weights).sum((2, 3)).reshape(-1)
+
+
+def refill_tiles(
+    ops: Ops,
+    survivors: Tensor,
+    dropped: Tensor,
+    keys: Keys | None,
+    seed: int = 0,
+    out: Tensor | None = None,
+) -> Tensor | None:
+    """The positions to regrow in a transposable 2:4 weight (2-D, both dimensions multiples of
+    4, every tile an exactly-2 pattern before the drop) after ``dropped`` left ``survivors``:
+    per tile, the best completion by ``keys``, or one drawn uniformly (a hash of ``seed`` and
+    the tile's position) when ``keys`` is ``None``; a tile with a single completion regrows
+    what it dropped. Returns a bool tensor shaped like ``survivors`` (``out``, if given), or
+    ``None`` if some tile's survivors fit no pattern (a mask that was not transposable)."""
+    if sys.byteorder != "little":
+        return None
+    tables = _tile_tables(ops)
+    rows, cols = survivors.shape
+    per_row = cols // 4
+    band = max(1, CHUNK_GROUPS // per_row)  # tile rows worked on at once
+    mask_rows = ops.array(survivors)
+    # a single completion takes back what was dropped
+    grown = dropped.clone() if out is None else out.view(rows, cols).copy_(dropped)
+    words = ops.array(grown).view(np.int32 if ops.xp is np else torch.int32)
+    words = words.reshape(rows // 4, 4, per_row)
+    for r0 in range(0, rows // 4, band):
+        codes = tile_codes(ops, mask_rows[4 * r0 : 4 * (r0 + band)])
+        count = ops.take(tables.count, codes)
+        if bool((count == 0).any()):
+            return None  # (what was written to ``grown`` is discarded)
+        choice = ops.nonzero(count > 1)
+        if len(choice) == 0:
+            continue
+        codes, count = codes[choice], count[choice]
+        tiles = choice + r0 * per_row
+        if keys is None:
+            pick = (uniform_bits(ops, tiles, seed) * count) >> 53
+            pattern = ops.take(tables.completions, ops.take(tables.first, codes) + pick)
+        else:
+            pattern = _best_completions(ops, keys(tiles), codes, count, tables)
+        added = ops.take(tables.codes, pattern) & ~codes
+        tile_row, tile_col = tiles // per_row, tiles % per_row
+        for r in range(4):
+            nibble = (added >> (4 * r)) & 0xF
+            words[tile_row, r, tile_col] = ops.take(tables.nibble_word, nibble)
+    return grown
+
+
+def uniform_bits(ops: Ops, index, seed: int):
+    """53 uniform random bits (int64) per entry of ``index``, a hash of ``(seed, index)``: the
+    same on every device and however the indices are split (SplitMix64's mixer, with the
+    shifts masked so that arithmetic and logical shifts agree)."""
+    x = ops.to_int64(index) * _signed(0x9E3779B97F4A7C15) + _signed(
+        (seed * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) % (1 << 64)
+    )
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return (x >> 11) & ((1 << 53) - 1)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _best_completions(ops: Ops, keys, codes, count, tables: _TileTables):
+    """Per tile, the completion (a pattern index) with the largest total key, ties to the first
+    in pattern order. Every completion contains the survivors, so totals over whole patterns
+    rank them as totals over the added positions would."""
+    n = len(codes)
+    position = ops.to_float64(keys).reshape(n, 4, 4)
+    pair_sums = (
+        np.empty((n, 4, 6))
+        if ops.xp is np
+        else torch.empty((n, 4, 6), dtype=torch.float64, device=ops.device)
+    )
+    for q, (a, b) in enumerate(
+        _PAIRS
+    ):  # (tile, row, pair): tile t, row r, pair q at 24t+6r+q
+        pair_sums[:, :, q] = position[:, :, a] + position[:, :, b]
+    pair_sums = pair_sums.reshape(-1)
+    best = codes.copy() if ops.xp is np else codes.clone()
+    for low, high in _WIDTHS:
+        tiles = ops.nonzero((count >= low) & (count <= high))
+        if len(tiles) == 0:
+            continue
+        width = ops.arange(high)
+        present = width < ops.take(count, tiles)[:, None]
+        first = ops.take(tables.first, ops.take(codes, tiles))
+        slot = first[:, None] + width * present  # (tiles, high): a completion's index
+        where = ops.take_rows(tables.completion_pairs, slot)  # (tiles, high, 4)
+        where += (24 * tiles)[:, None, None]
+        parts = ops.take(pair_sums, where)
+        totals = parts[:, :, 0] + parts[:, :, 1] + parts[:, :, 2] + parts[:, :, 3]
+        totals[~present] = -float("inf")
+        chosen = slot[ops.arange(len(tiles)), ops.argmax_rows(totals)]
+        best[tiles] = ops.take(tables.completions, chosen)
+    return best
+
+
+_WIDTHS = ((2, 2), (3, 4), (5, 7), (8, 15), (16, 90))
+"""Buckets of completion counts, each evaluated at once (a tile has 2-7 completions mostly)."""

@@ -1,0 +1,170 @@
+"""Where a drop-and-grow update regrows: where a score is highest, or uniformly at random.
+
+A :class:`Regrowth` answers two questions about the entries that are not active after the
+drop: which ``k`` of them regrow (an unstructured target), and which of them refill every N:M
+group to ``N`` (an N:M target). :class:`ByScore` takes the highest scores (``rigl``: the
+gradient's magnitude, or a custom :meth:`~lightning_sparse.algorithms.DropAndGrow.grow_score`);
+:class:`AtRandom` draws them uniformly (``set``).
+
+Example:
+    >>> import torch
+    >>> survivors = torch.tensor([True, False, False, False])
+    >>> ByScore(torch.tensor([9.0, -3.0, 1.0, 2.0]), magnitude=True).pick(survivors, 2).tolist()
+    [False, True, False, True]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.algorithms.nm_refill import (
+    Keys,
+    refill_groups,
+    refill_tiles,
+    uniform_bits,
+)
+from lightning_sparse.array_ops import Ops, ops_for
+from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
+from lightning_sparse.random_subset import random_subset
+from lightning_sparse.tile_masks import has_4x4_tiles
+from lightning_sparse.top_k import top_k_mask
+
+Select = Callable[[Tensor, Sparsity], Tensor]
+
+
+class Regrowth:
+    """Chooses regrown entries among those not in ``survivors`` (a bool tensor)."""
+
+    def pick(self, survivors: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+        """A bool mask of ``k`` entries outside ``survivors`` (written into ``out`` if given)."""
+        raise NotImplementedError
+
+    def refill(
+        self,
+        survivors: Tensor,
+        dropped: Tensor,
+        target: NM,
+        select: Select,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """A bool mask of entries outside ``survivors`` (just ``dropped`` from a valid N:M
+        mask) that brings every group of ``target.m`` back to ``target.n`` active entries, the
+        way ``select`` lays masks out: transposable 2:4 tiles where the built-in ``select``
+        makes them, else groups along the input dimension (see
+        :mod:`~lightning_sparse.algorithms.nm_refill`). A custom ``select`` chooses the whole
+        mask from scores in which the survivors come first."""
+        layout = _layout(select, survivors, target)
+        grown = None
+        ops = ops_for(survivors, *self._values())
+        if layout == "tiles":  # None if the mask was not transposable
+            keys, seed = self._tile_keys(ops, survivors)
+            grown = refill_tiles(ops, survivors, dropped, keys, seed, out=out)
+        elif layout == "groups":
+            keys = self._group_keys(ops, survivors, target)
+            grown = refill_groups(ops, survivors, target, keys, out=out)
+        if grown is None:
+            scores = self._scores(survivors)
+            low, high = torch.aminmax(scores)
+            bonus = 16 * (high - low) + 1
+            grown = (
+                select(torch.where(survivors, bonus, scores - low), target) & ~survivors
+            )
+        return grown
+
+    def _values(self) -> tuple[Tensor, ...]:
+        """The tensors the keys come from (they decide between NumPy and torch)."""
+        return ()
+
+    def _scores(self, like: Tensor) -> Tensor:
+        """A score for every entry (a custom ``select`` ranks the whole tensor)."""
+        raise NotImplementedError
+
+    def _group_keys(self, ops: Ops, survivors: Tensor, target: NM) -> Keys:
+        raise NotImplementedError
+
+    def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
+        raise NotImplementedError
+
+
+class ByScore(Regrowth):
+    """The highest ``score`` wins (``magnitude=True``: the highest ``|score|``); ties go to the
+    lower flat index."""
+
+    def __init__(self, score: Tensor, magnitude: bool = False) -> None:
+        self.score = score
+        self.magnitude = magnitude
+
+    def pick(self, survivors: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+        return top_k_mask(
+            self.score, k, magnitude=self.magnitude, excluding=survivors, out=out
+        )
+
+    def _values(self) -> tuple[Tensor, ...]:
+        return (self.score,)
+
+    def _scores(self, like: Tensor) -> Tensor:
+        scores = self.score.reshape(like.shape)
+        return scores.abs() if self.magnitude else scores
+
+    def _group_keys(self, ops: Ops, survivors: Tensor, target: NM) -> Keys:
+        groups = ops.array(self.score.detach()).reshape(-1, target.m)
+
+        def keys(index):
+            chosen = ops.take_rows(groups, index)  # a copy: free to change in place
+            return ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
+
+        return keys
+
+    def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
+        cols = survivors.shape[1]
+        tile_rows = ops.array(self.score.detach()).reshape(-1, 4)  # a tile row's 4 keys
+        per_row = cols // 4
+
+        def keys(index):
+            # tile t covers tile rows (4 * (t // per_row) + r) * per_row + t % per_row
+            first = 4 * (index // per_row) * per_row + index % per_row
+            where = first[:, None] + per_row * ops.arange(4)
+            chosen = ops.take_rows(tile_rows, where.reshape(-1)).reshape(-1, 16)
+            return ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
+
+        return keys, 0
+
+
+class AtRandom(Regrowth):
+    """Uniformly at random, reproducibly from ``(seed, parameter name, step)``."""
+
+    def __init__(self, seed: int, name: str, step: int) -> None:
+        self.seed = name_seed(seed, name, step)
+
+    def pick(self, survivors: Tensor, k: int, out: Tensor | None = None) -> Tensor:
+        return random_subset(k, survivors, self.seed, out=out)
+
+    def _scores(self, like: Tensor) -> Tensor:
+        return random_score(like, self.seed)
+
+    def _group_keys(self, ops: Ops, survivors: Tensor, target: NM) -> Keys:
+        # a hash of (seed, position) per position: the same however the groups are split
+        cells = ops.arange(target.m)
+        return lambda index: ops.to_float64(
+            uniform_bits(ops, index[:, None] * target.m + cells, self.seed)
+        )
+
+    def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
+        return None, self.seed
+
+
+def _layout(select: Select, survivors: Tensor, target: NM) -> str | None:
+    """How the algorithm's ``select`` lays out ``target``: ``"tiles"`` (transposable 2:4),
+    ``"groups"`` (N of every M along the input dimension) or ``None`` (a custom select)."""
+    from lightning_sparse.algorithms.base import SparsityAlgorithm
+
+    if select is topk_mask:
+        return "groups"
+    if getattr(select, "__func__", None) is not SparsityAlgorithm.select:
+        return None
+    if target == NM(2, 4) and has_4x4_tiles(survivors):
+        return "tiles"
+    return "groups"

@@ -1,0 +1,141 @@
+"""Refilling N:M groups and transposable 2:4 tiles: the exact rule, checked against brute force
+(exact arithmetic, every pattern), on the NumPy and the torch paths."""
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from lightning_sparse import array_ops
+from lightning_sparse.algorithms.nm_refill import (
+    refill_groups,
+    refill_tiles,
+    tile_codes,
+)
+from lightning_sparse.array_ops import ops_for
+from lightning_sparse.masks import NM, topk_mask
+from lightning_sparse.tile_masks import (
+    is_transposable_2to4,
+    optimal_transposable_2to4_mask,
+)
+
+CODES = sorted(
+    code
+    for code in range(1 << 16)
+    if all((code >> (4 * r) & 0xF).bit_count() == 2 for r in range(4))
+    and all(sum(code >> (4 * r + c) & 1 for r in range(4)) == 2 for c in range(4))
+)
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+    return request.param
+
+
+def dropped_from(mask, fraction, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return mask & (torch.rand(mask.shape, generator=gen) < fraction)
+
+
+def keys_of(shape, ties, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct values: exact ties between completions
+        return torch.randint(0, 3, shape, generator=gen).float()
+    return torch.rand(shape, generator=gen)
+
+
+def best_tile(survivor_code, keys):
+    """Brute force: the first pattern (ascending code) containing the survivors with the
+    largest exact sum of keys over the positions it adds."""
+    best, best_sum = None, None
+    for code in CODES:
+        if code & survivor_code != survivor_code:
+            continue
+        total = sum(
+            Fraction(float(keys[p]))
+            for p in range(16)
+            if code >> p & 1 and not survivor_code >> p & 1
+        )
+        if best_sum is None or total > best_sum:
+            best, best_sum = code, total
+    return best
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 1.0])
+def test_tiles_take_the_best_completion(path, ties, fraction):
+    shape = (16, 24)
+    mask = optimal_transposable_2to4_mask(
+        torch.rand(shape, generator=torch.Generator().manual_seed(1))
+    )
+    dropped = dropped_from(mask, fraction, 2)
+    survivors = mask & ~dropped
+    keys = keys_of(shape, ties, 3)
+    ops = ops_for(survivors, keys)
+    tiles = ops.array(keys).reshape(4, 4, 6, 4)
+    grown = refill_tiles(
+        ops,
+        survivors,
+        dropped,
+        lambda index: tiles[index // 6, :, index % 6, :].reshape(-1, 16),
+    )
+    new = survivors | grown
+    assert is_transposable_2to4(new) and not bool((grown & survivors).any())
+    new_codes = tile_codes(ops, ops.array(new))
+    survivor_codes = tile_codes(ops, ops.array(survivors))
+    key_tiles = keys.view(4, 4, 6, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    for t in range(24):
+        assert int(new_codes[t]) == best_tile(int(survivor_codes[t]), key_tiles[t])
+
+
+def test_tiles_at_random_are_valid_uniform_and_reproducible(path):
+    shape = (8, 8)
+    mask = optimal_transposable_2to4_mask(
+        torch.rand(shape, generator=torch.Generator().manual_seed(4))
+    )
+    dropped = mask.clone()  # every tile empties: any of the 90 patterns may come
+    survivors = torch.zeros_like(mask)
+    ops = ops_for(survivors)
+    seen = {}
+    for seed in range(300):
+        new = refill_tiles(ops, survivors, dropped, None, seed)
+        assert is_transposable_2to4(new) and int(new.sum()) == 32
+        code = int(tile_codes(ops, ops.array(new))[0])
+        seen[code] = seen.get(code, 0) + 1
+    assert len(seen) > 80, "uniform over the 90 patterns"
+    again = [refill_tiles(ops, survivors, dropped, None, 5) for _ in range(2)]
+    assert torch.equal(*again)
+
+
+def test_tiles_refuse_a_mask_that_was_not_transposable():
+    survivors = torch.zeros(4, 4, dtype=torch.bool)
+    survivors[0, :3] = True  # three in a tile row: no 2:4 pattern contains them
+    ops = ops_for(survivors)
+    assert refill_tiles(ops, survivors, torch.zeros_like(survivors), None) is None
+
+
+@pytest.mark.parametrize("target", [NM(2, 4), NM(1, 4), NM(4, 8), NM(3, 16)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_groups_keep_survivors_and_take_the_best_free_positions(path, target, ties):
+    shape = (6, 4 * target.m)
+    mask = topk_mask(
+        torch.rand(shape, generator=torch.Generator().manual_seed(5)), target
+    )
+    survivors = mask & ~dropped_from(mask, 0.6, 6)
+    keys = keys_of(shape, ties, 7)
+    ops = ops_for(survivors, keys)
+    groups = ops.array(keys).reshape(-1, target.m)
+    grown = refill_groups(ops, survivors, target, lambda index: groups[index])
+    new = (survivors | grown).view(-1, target.m)
+    assert bool((new.sum(1) == target.n).all()) and not bool((grown & survivors).any())
+    for g, (kept, key) in enumerate(
+        zip(survivors.view(-1, target.m), keys.view(-1, target.m))
+    ):
+        free = [p for p in range(target.m) if not kept[p]]
+        free.sort(key=lambda p: (-float(key[p]), p))
+        expected = set(free[: target.n - int(kept.sum())])
+        assert {
+            p for p in range(target.m) if grown.view(-1, target.m)[g, p]
+        } == expected

@@ -1,0 +1,146 @@
+"""top_k_mask and the array operations under it: exact choices, ties by position, and the NumPy
+(CPU) and torch paths giving identical bits."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_sparse import array_ops
+from lightning_sparse.array_ops import (
+    count_true,
+    flat_nonzero,
+    multiply_by_mask_,
+    scratch_mask,
+    zero_where_,
+)
+from lightning_sparse.top_k import LARGE, top_k_mask
+
+# Above LARGE entries the sampled-threshold path runs; below, a stable sort.
+SIZES = [(7, 13), (300, 400), (1, LARGE + 5)]
+
+
+def values_of(kind, shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "gaussian":
+        return torch.randn(shape, generator=gen)
+    if kind == "ties":  # few distinct values: thresholds fall inside large tie blocks
+        return torch.randint(-3, 4, shape, generator=gen).float()
+    if kind == "sorted":  # adversarial for a strided sample
+        return torch.arange(torch.Size(shape).numel(), dtype=torch.float).reshape(shape)
+    return torch.zeros(shape)
+
+
+def by_sorting(values, k, largest, magnitude, eligible):
+    """The documented rule, spelled out: eligible entries ordered by value (or magnitude),
+    equal values by position; the first k."""
+    flat = values.reshape(-1)
+    index = eligible.reshape(-1).nonzero().squeeze(1)
+    scores = flat[index].abs() if magnitude else flat[index]
+    order = torch.sort(scores, descending=largest, stable=True).indices[:k]
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+    chosen[index[order]] = True
+    return chosen.view(values.shape)
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def path(request, monkeypatch):
+    """Run each test on both paths: NumPy views, or torch ops (as on a GPU)."""
+    if request.param == "torch":
+        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+    return request.param
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.sampled_from(SIZES),
+    kind=st.sampled_from(["gaussian", "ties", "sorted", "zeros"]),
+    fraction=st.floats(0.0, 1.0),
+    largest=st.booleans(),
+    magnitude=st.booleans(),
+    restrict=st.sampled_from([None, "among", "excluding"]),
+    seed=st.integers(0, 2**16),
+)
+def test_top_k_is_the_stable_sort_choice(
+    shape, kind, fraction, largest, magnitude, restrict, seed
+):
+    values = values_of(kind, shape, seed)
+    flags = torch.rand(shape, generator=torch.Generator().manual_seed(seed + 1)) < 0.4
+    eligible = {None: torch.ones_like(flags), "among": flags, "excluding": ~flags}
+    eligible = eligible[restrict]
+    k = round(fraction * int(eligible.sum()))
+    restriction = {"among": flags} if restrict == "among" else {}
+    if restrict == "excluding":
+        restriction = {"excluding": flags}
+    chosen = top_k_mask(values, k, largest=largest, magnitude=magnitude, **restriction)
+    assert chosen.dtype == torch.bool and chosen.shape == values.shape
+    assert torch.equal(chosen, by_sorting(values, k, largest, magnitude, eligible))
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "ties", "sorted"])
+def test_numpy_and_torch_paths_agree(kind, monkeypatch):
+    values = values_of(kind, (3, 40_000), 5)
+    among = torch.rand(3, 40_000, generator=torch.Generator().manual_seed(6)) < 0.3
+    runs = []
+    for use_numpy in (True, False):
+        if not use_numpy:
+            monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+        runs.append(
+            [
+                top_k_mask(values, 5000, magnitude=True, among=among),
+                top_k_mask(values, 30_000, largest=False, excluding=among),
+            ]
+        )
+    for numpy_run, torch_run in zip(*runs):
+        assert torch.equal(numpy_run, torch_run)
+
+
+def test_out_and_known_count_and_bfloat16():
+    values = torch.randn(200, 400, generator=torch.Generator().manual_seed(0))
+    among = values > -0.5
+    out = torch.empty(200 * 400, dtype=torch.bool)
+    chosen = top_k_mask(values, 1000, among=among, n_eligible=int(among.sum()), out=out)
+    assert chosen.data_ptr() == out.data_ptr()
+    assert torch.equal(chosen, by_sorting(values, 1000, True, False, among))
+    half = values.bfloat16()  # no NumPy dtype: the torch path, with many ties
+    assert torch.equal(
+        top_k_mask(half, 7000, magnitude=True),
+        by_sorting(half.float(), 7000, True, True, torch.ones_like(among)),
+    )
+
+
+def test_top_k_rejects_impossible_requests():
+    with pytest.raises(ValueError, match="cannot pick 3 of 2 eligible entries"):
+        top_k_mask(torch.zeros(4), 3, among=torch.tensor([True, True, False, False]))
+    with pytest.raises(ValueError, match="either among or excluding"):
+        flags = torch.ones(4, dtype=torch.bool)
+        top_k_mask(torch.zeros(4), 1, among=flags, excluding=flags)
+
+
+def test_masking_ops_match_torch_bit_for_bit(path):
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(1000, generator=gen)
+    values[:10] = torch.tensor(
+        [0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, 1.0, -1.0, 0.5, -2]
+    )
+    mask = torch.rand(1000, generator=gen) < 0.5
+    expected = values * mask  # zeros carry the sign: -0.0 for negative values
+    got = values.clone()
+    multiply_by_mask_(got, mask)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    expected = values.masked_fill(mask, 0)  # +0.0 everywhere it writes
+    got = values.clone()
+    zero_where_(got, mask)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert flat_nonzero(mask).tolist() == mask.nonzero().squeeze(1).tolist()
+    assert count_true(mask) == int(mask.sum())
+
+
+def test_scratch_masks_are_reused_per_slot():
+    first = scratch_mask(100, torch.device("cpu"), slot=0)
+    again = scratch_mask(50, torch.device("cpu"), slot=0)
+    other = scratch_mask(50, torch.device("cpu"), slot=1)
+    assert first.numel() == 100 and again.numel() == 50
+    assert again.data_ptr() == first.data_ptr() != other.data_ptr()
+    array_ops.free_scratch()
+    assert scratch_mask(10, torch.device("cpu")).numel() == 10

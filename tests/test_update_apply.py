@@ -1,0 +1,107 @@
+"""A mask update takes effect bit for bit as the plain rule says: the weight multiplied by the new
+mask (signed zeros), optimizer state zeroed exactly where the mask changed, gradients multiplied
+by the new mask; whether the update edits few entries (by index) or many (whole tensors)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_sparse.schedule import Phase, resolve_phases
+from lightning_sparse.selection import select_parameters
+from lightning_sparse.sparsifier import Sparsifier
+
+
+def bits(tensor):
+    return tensor.detach().contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "drop_fraction"),
+    [("rigl", 0.004), ("rigl", 0.3), ("set", 0.004), ("set", 0.3), ("gmp", None)],
+)
+def test_update_applies_exactly_the_new_mask(algorithm, drop_fraction):
+    torch.manual_seed(0)
+    net = nn.Linear(256, 256, bias=False)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+    options = {"update_every": 1, "update_stop": 50}
+    if drop_fraction is not None:
+        options |= {"drop_fraction": drop_fraction, "drop_fraction_decay": "constant"}
+    phase = Phase(sparsity=0.5, algorithm=algorithm, **options)
+    sp = Sparsifier(
+        "g",
+        select_parameters(net, params=["weight"]).targets,
+        resolve_phases([phase], 100),
+    )
+    sp.on_step_start(0, [opt])
+    for step in range(4):
+        net.weight.grad = torch.randn(256, 256)
+        grad = net.weight.grad.clone()
+        weight = net.weight.detach().clone()
+        state = {k: v.clone() for k, v in opt.state[net.weight].items()}
+        mask = sp.masks["weight"].clone()
+        sp.before_optimizer_step(step, opt, [opt])
+        new = sp.masks["weight"]
+        changed = mask ^ new
+        if step:  # an update step: some entries changed
+            assert changed.any()
+        assert torch.equal(bits(net.weight), bits(weight * new))
+        assert torch.equal(bits(net.weight.grad), bits(grad * new))
+        for key, value in opt.state[net.weight].items():
+            if value.shape == weight.shape:
+                expected = state[key].masked_fill(changed, 0)
+                assert torch.equal(bits(value), bits(expected)), key
+        opt.step()
+
+
+@pytest.mark.parametrize("algorithm", ["set", "rigl"])
+@pytest.mark.parametrize("sparsity", [0.9, "2:4", "1:4"])
+def test_numpy_and_torch_paths_give_the_same_masks(algorithm, sparsity, monkeypatch):
+    """The CPU runs NumPy where it can; other devices (and bfloat16) run torch ops: the
+    masks are the same either way."""
+    from lightning_sparse import array_ops
+
+    results = []
+    for use_numpy in (True, False):
+        if not use_numpy:
+            monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+        torch.manual_seed(0)
+        net = nn.Linear(512, 256, bias=False)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        phase = Phase(sparsity=sparsity, algorithm=algorithm, update_every=1, seed=3)
+        sp = Sparsifier(
+            "g",
+            select_parameters(net, params=["weight"]).targets,
+            resolve_phases([phase], 100),
+        )
+        sp.on_step_start(0, [opt])
+        masks = []
+        for step in (1, 2, 3):
+            net.weight.grad = torch.randn(256, 512)
+            sp.before_optimizer_step(step, opt, [opt])
+            opt.step()
+            masks.append(sp.masks["weight"].clone())
+        results.append(masks)
+    for numpy_mask, torch_mask in zip(*results):
+        assert torch.equal(numpy_mask, torch_mask)
+
+
+def test_bfloat16_weights_update_exactly():
+    torch.manual_seed(0)
+    net = nn.Linear(256, 256, bias=False).to(torch.bfloat16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for sparsity in (0.75, "2:4"):
+        for algorithm in ("set", "rigl"):
+            phase = Phase(sparsity=sparsity, algorithm=algorithm, update_every=1)
+            sp = Sparsifier(
+                "g",
+                select_parameters(net, params=["weight"]).targets,
+                resolve_phases([phase], 100),
+            )
+            sp.on_step_start(0, [opt])
+            for step in (1, 2):
+                net.weight.grad = torch.randn(256, 256).bfloat16()
+                sp.before_optimizer_step(step, opt, [opt])
+                mask = sp.masks["weight"]
+                assert int(mask.sum()) == 256 * 256 // 4 * (1 if sparsity == 0.75 else 2)
+                assert not bool((net.weight[~mask] != 0).any())
+            sp.close()
