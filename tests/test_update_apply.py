@@ -102,6 +102,8 @@ def test_bfloat16_weights_update_exactly():
                 net.weight.grad = torch.randn(256, 256).bfloat16()
                 sp.before_optimizer_step(step, opt, [opt])
                 mask = sp.masks["weight"]
-                assert int(mask.sum()) == 256 * 256 // 4 * (1 if sparsity == 0.75 else 2)
+                assert int(mask.sum()) == 256 * 256 // 4 * (
+                    1 if sparsity == 0.75 else 2
+                )
                 assert not bool((net.weight[~mask] != 0).any())
             sp.close()
