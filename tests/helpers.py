@@ -144,3 +144,10 @@ def pretend_gpu(
 
     monkeypatch.setattr(cap, "device_capability", lambda device: capability)
     monkeypatch.setattr(cap, "cusparselt_available", lambda: cusparselt)
+
+
+def demo_trainer(**kwargs: Any) -> L.Trainer:
+    """A fast trainer that also validates (2 batches, with the sanity check): for demo models."""
+    return fast_trainer(
+        **{"max_steps": 3, "limit_val_batches": 2, "num_sanity_val_steps": 2, **kwargs}
+    )

@@ -157,7 +157,9 @@ def test_pruned_weights_and_optimizer_state_stay_zero_at_high_lr_with_weight_dec
 
 
 def test_dense_phase_after_hard_pruning_restarts_pruned_weights_from_zero():
-    L.seed_everything(0, verbose=False)  # unseeded, a dead ReLU unit could get no gradient
+    L.seed_everything(
+        0, verbose=False
+    )  # unseeded, a dead ReLU unit could get no gradient
     cb = SparsityCallback(
         phases=[{"sparsity": 0.5, "until": 4}, {"sparsity": 0.0}], verbose=False
     )
@@ -170,7 +172,9 @@ def test_dense_phase_after_hard_pruning_restarts_pruned_weights_from_zero():
 
 
 def test_magnitude_is_straight_through():
-    L.seed_everything(0, verbose=False)  # unseeded, a dead ReLU unit could get no gradient
+    L.seed_everything(
+        0, verbose=False
+    )  # unseeded, a dead ReLU unit could get no gradient
     cb = SparsityCallback(
         phases=[{"sparsity": 0.5, "algorithm": "magnitude", "update_every": 2}],
         verbose=False,

@@ -7,6 +7,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from helpers import demo_trainer
 
 from lightning_sparse.demo import (
     DigitsMultiCropDataModule,
@@ -28,19 +29,6 @@ TINY = {
     "dynamic_img_size": True,
 }
 SMALL_HEAD = {"out_dim": 64, "hidden_dim": 32, "bottleneck_dim": 16}
-
-
-def fast_trainer(**kwargs) -> L.Trainer:
-    defaults = {
-        "max_steps": 3,
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 2,
-    }
-    return L.Trainer(**{**defaults, **kwargs})
 
 
 def tiny_datamodule() -> DigitsMultiCropDataModule:
@@ -71,7 +59,7 @@ def test_dino_trains_logs_and_updates_teacher_by_ema_only():
         model_kwargs=TINY, **SMALL_HEAD, warmup_steps=1, probe_steps=20
     )
     recorder = RecordTeacher()
-    trainer = fast_trainer(val_check_interval=3, callbacks=[recorder])
+    trainer = demo_trainer(val_check_interval=3, callbacks=[recorder])
     trainer.fit(model, tiny_datamodule())
 
     metrics = trainer.callback_metrics
@@ -195,7 +183,7 @@ def test_sinkhorn_centering_trains():
     model = DINOSelfDistillation(
         model_kwargs=TINY, **SMALL_HEAD, centering="sinkhorn_knopp", probe_steps=0
     )
-    trainer = fast_trainer(max_steps=2, limit_val_batches=1, val_check_interval=2)
+    trainer = demo_trainer(max_steps=2, limit_val_batches=1, val_check_interval=2)
     trainer.fit(model, tiny_datamodule())
     assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
     assert "val/knn_acc" in trainer.callback_metrics
@@ -209,7 +197,7 @@ def test_schedules():
     model = DINOSelfDistillation(
         model_kwargs=TINY, **SMALL_HEAD, teacher_temp=0.07, warmup_teacher_temp_steps=10
     )
-    model.trainer = fast_trainer(max_steps=100)
+    model.trainer = demo_trainer(max_steps=100)
     assert model.teacher_temperature(0) == pytest.approx(0.04)
     assert model.teacher_temperature(5) == pytest.approx(0.055)
     assert model.teacher_temperature(10) == pytest.approx(0.07)
@@ -244,7 +232,7 @@ def test_dino_bad_arguments(kwargs, name):
 
 def test_checkpoint_round_trip_keeps_teacher_and_center(tmp_path):
     model = DINOSelfDistillation(model_kwargs=TINY, **SMALL_HEAD, probe_steps=0)
-    trainer = fast_trainer(max_steps=2, limit_val_batches=0)
+    trainer = demo_trainer(max_steps=2, limit_val_batches=0)
     trainer.fit(model, tiny_datamodule())
     path = tmp_path / "dino.ckpt"
     trainer.save_checkpoint(path)

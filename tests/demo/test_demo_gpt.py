@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import math
 
-import lightning as L
 import pytest
 import torch
+from helpers import demo_trainer
 
 from lightning_sparse.demo import GPT, GPTConfig, GPTLanguageModel, PydocTextDataModule
-
-
-def fast_trainer(**kwargs) -> L.Trainer:
-    defaults = {
-        "max_steps": 3,
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 2,
-    }
-    return L.Trainer(**{**defaults, **kwargs})
 
 
 def test_lm_head_tied_to_wte():
@@ -79,7 +66,7 @@ def test_generate_shape():
 
 def test_optimizer_skips_decay_on_embeddings_and_1d():
     lm = GPTLanguageModel(n_layer=1, n_embd=32, n_head=2, bias=True)
-    lm.trainer = fast_trainer(max_steps=10)
+    lm.trainer = demo_trainer(max_steps=10)
     decay, no_decay = lm.configure_optimizers()["optimizer"].param_groups
     decay_ids, no_decay_ids = (
         {id(p) for p in decay["params"]},
@@ -100,7 +87,7 @@ def test_optimizer_skips_decay_on_embeddings_and_1d():
 
 def test_gpt_trains_and_logs():
     lm = GPTLanguageModel(n_layer=1, n_embd=32, n_head=2, block_size=16, warmup_steps=1)
-    trainer = fast_trainer(val_check_interval=3)
+    trainer = demo_trainer(val_check_interval=3)
     trainer.fit(lm, PydocTextDataModule(block_size=16, batch_size=8, max_bytes=20_000))
     metrics = trainer.callback_metrics
     for key in ("train/loss", "val/loss", "val/ppl"):
@@ -134,7 +121,7 @@ def test_sequence_longer_than_block_size():
 
 def test_checkpoint_round_trip_keeps_weight_tying(tmp_path):
     lm = GPTLanguageModel(n_layer=1, n_embd=32, n_head=2, block_size=16)
-    trainer = fast_trainer(max_steps=1, limit_val_batches=0)
+    trainer = demo_trainer(max_steps=1, limit_val_batches=0)
     trainer.fit(lm, PydocTextDataModule(block_size=16, batch_size=4, max_bytes=5_000))
     path = tmp_path / "gpt.ckpt"
     trainer.save_checkpoint(path)

@@ -7,28 +7,16 @@ import math
 import lightning as L
 import pytest
 import torch
+from helpers import demo_trainer
 
 from lightning_sparse.demo import DigitsDataModule, ViTClassifier
 
 TINY = {"img_size": 16, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}
 
 
-def fast_trainer(**kwargs) -> L.Trainer:
-    defaults = {
-        "max_steps": 3,
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 2,
-    }
-    return L.Trainer(**{**defaults, **kwargs})
-
-
 def test_vit_trains_and_logs():
     model = ViTClassifier(num_classes=10, model_kwargs=TINY, warmup_steps=1)
-    trainer = fast_trainer(val_check_interval=3)
+    trainer = demo_trainer(val_check_interval=3)
     trainer.fit(model, DigitsDataModule(image_size=16, batch_size=16))
     metrics = trainer.callback_metrics
     for key in ("train/loss", "val/loss", "val/acc"):
@@ -58,7 +46,7 @@ def test_vit_default_is_the_tiny_cpu_vit():
 
 def test_vit_optimizer_groups_and_schedule():
     model = ViTClassifier(model_kwargs=TINY, weight_decay=0.1, warmup_steps=2, lr=1e-3)
-    trainer = fast_trainer(max_steps=10)
+    trainer = demo_trainer(max_steps=10)
     model.trainer = trainer  # estimated_stepping_batches comes from max_steps
     config = model.configure_optimizers()
     decay, no_decay = config["optimizer"].param_groups
