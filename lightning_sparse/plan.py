@@ -11,7 +11,8 @@ plan`` prints that and plots the schedule (:mod:`lightning_sparse.plot`).
 The run length is what ``trainer.estimated_stepping_batches`` will be at fit start: ``max_steps``
 when the run is bounded by steps only, otherwise ``max_epochs`` times the optimizer steps per
 epoch (the train loader's batches, capped by ``limit_train_batches``, divided among the devices
-and by ``accumulate_grad_batches``), capped by ``max_steps``. The datamodule is set up only when
+(on several devices the distributed sampler's rounding may add a batch) and by
+``accumulate_grad_batches``), capped by ``max_steps``. The datamodule is set up only when
 the epoch length is needed.
 
 Example:
@@ -95,7 +96,16 @@ def run_length(
             f"give a datamodule, or bound the run with trainer.max_steps"
         )
     datamodule.setup("fit")
-    batches = _limited(len(datamodule.train_dataloader()), trainer.limit_train_batches)
+    try:
+        length = len(datamodule.train_dataloader())
+    except TypeError:  # an iterable dataset without a length
+        if max_steps == -1:
+            raise ValueError(
+                "the train dataloader has no length, so max_epochs gives no number of steps: "
+                "set trainer.max_steps"
+            ) from None
+        return RunLength(float(max_steps)), f"{max_steps} optimizer steps (max_steps)"
+    batches = _limited(length, trainer.limit_train_batches)
     batches = math.ceil(batches / max(1, trainer.world_size))
     per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
     total = per_epoch * max(max_epochs, 1)
