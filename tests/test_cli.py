@@ -271,7 +271,9 @@ def test_an_unquoted_nm_pattern_gets_an_error_that_says_to_quote_it(tmp_path):
         "trainer:\n  callbacks:\n    - class_path: lightning_sparse.SparsityCallback\n"
         "      init_args: {sparsity: 2:4}\n"
     )
-    with pytest.raises(ValueError, match="how YAML 1.1 reads an unquoted 2:4.*quote it"):
+    with pytest.raises(
+        ValueError, match="how YAML 1.1 reads an unquoted 2:4.*quote it"
+    ):
         LightningCLI(TinyModule, run=False, args=["--config", str(config)])
 
 
