@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 from lightning_sparse import cerebras
 from lightning_sparse.algorithms import RunLength
@@ -60,8 +62,8 @@ class SparsityCallback(Callback):
 
     def __init__(
         self,
-        sparsity: float | str | None = None,
-        phases: Sequence[dict[str, Any] | Phase] | None = None,
+        sparsity: str | float | None = None,
+        phases: Sequence[Phase | dict[str, Any]] | None = None,
         params: Sequence[str] | str | None = None,
         exclude: Sequence[str] | str | None = None,
         backend: str = "auto",
@@ -142,8 +144,6 @@ class SparsityCallback(Callback):
         self._active = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        selection = select_parameters(pl_module, self.params, self.exclude)
-        self._check_disjoint(trainer, selection)
         total = float(trainer.estimated_stepping_batches)
         batches = float(trainer.num_training_batches)
         steps_per_epoch = (
@@ -151,38 +151,57 @@ class SparsityCallback(Callback):
             if math.isfinite(batches)
             else math.inf
         )
-        run = RunLength(total, steps_per_epoch)
-        resolved = resolve_phases(self.phases, total, steps_per_epoch)
-        self.sparsifier = Sparsifier(
+        others = [
+            (cb.name, cb.selection)
+            for cb in trainer.callbacks
+            if isinstance(cb, SparsityCallback)
+            and cb is not self
+            and cb.selection is not None
+        ]
+        self.sparsifier, self.selection = self.build(
+            pl_module,
+            RunLength(total, steps_per_epoch),
+            autocast_dtype(trainer.precision),
+            others,
+        )
+        if self.verbose:
+            rank_zero_info(plan_table(self.sparsifier, self.selection))
+
+    def build(
+        self,
+        pl_module: nn.Module,
+        run: RunLength,
+        compute_dtype: torch.dtype | None = None,
+        others: Sequence[tuple[str, Selection]] = (),
+    ) -> tuple[Sparsifier, Selection]:
+        """Select this group's parameters and build its engine for a run of ``run`` optimizer
+        steps: what fit start does, without touching the model (no mask is applied), so it also
+        serves dry runs (``lightning-sparse plan``). ``others`` are the ``(name, selection)`` of
+        the other groups, which must own disjoint parameters.
+
+        Example:
+            >>> from torch import nn
+            >>> from lightning_sparse.algorithms import RunLength
+            >>> cb = SparsityCallback(phases=[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}])
+            >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+            >>> sparsifier, selection = cb.build(net, RunLength(total_steps=100))
+            >>> [(p.start, p.end) for p in sparsifier.phases], [t.name for t in selection.targets]
+            ([(0, 70), (70, 100)], ['0.weight'])
+        """
+        selection = select_parameters(pl_module, self.params, self.exclude)
+        check_disjoint(self.name, selection, others)
+        resolved = resolve_phases(self.phases, run.total_steps, run.steps_per_epoch)
+        sparsifier = Sparsifier(
             self.name,
             selection.targets,
             resolved,
             run,
             self.backend,
             log=rank_zero_info,
-            compute_dtype=autocast_dtype(trainer.precision),
+            compute_dtype=compute_dtype,
             verify_speed=self.verify_speed,
         )
-        self.selection = selection
-        if self.verbose:
-            rank_zero_info(plan_table(self.sparsifier, selection))
-
-    def _check_disjoint(self, trainer: pl.Trainer, selection: Selection) -> None:
-        mine = {id(t.param): t.name for t in selection.targets}
-        for other in trainer.callbacks:
-            if (
-                other is self
-                or not isinstance(other, SparsityCallback)
-                or other.selection is None
-            ):
-                continue
-            for t in other.selection.targets:
-                if id(t.param) in mine:
-                    raise ValueError(
-                        f"parameter {t.name!r} is claimed by SparsityCallback {other.name!r} and "
-                        f"SparsityCallback {self.name!r}: give the callbacks disjoint params/exclude "
-                        f"patterns (each parameter belongs to one group)"
-                    )
+        return sparsifier, selection
 
     def _activate(self, trainer: pl.Trainer) -> None:
         """Apply masks once everything is restored (before the first forward of the fit)."""
@@ -287,6 +306,21 @@ class SparsityCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_state = dict(state_dict)
         self._active = False
+
+
+def check_disjoint(
+    name: str, selection: Selection, others: Sequence[tuple[str, Selection]]
+) -> None:
+    """Raise if a parameter of group ``name`` belongs to another group too."""
+    mine = {id(t.param) for t in selection.targets}
+    for other, other_selection in others:
+        for t in other_selection.targets:
+            if id(t.param) in mine:
+                raise ValueError(
+                    f"parameter {t.name!r} is claimed by SparsityCallback {other!r} and "
+                    f"SparsityCallback {name!r}: give the callbacks disjoint params/exclude "
+                    f"patterns (each parameter belongs to one group)"
+                )
 
 
 def _check_strategy(trainer: pl.Trainer) -> None:

@@ -7,7 +7,8 @@ from lightning_sparse.selection import Selection
 from lightning_sparse.sparsifier import Sparsifier
 
 
-def _table(rows: list[list[str]]) -> list[str]:
+def text_table(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as aligned text lines, a rule under the first (header) row."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
@@ -45,7 +46,7 @@ def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
         names = sorted({c.name for c in choices}) or ["-"]
         reasons = sorted({c.reason for c in choices}) or ["dense in every phase"]
         rows.append(cells + ["/".join(names), "; ".join(reasons)])
-    lines += ["  " + line for line in _table(rows)]
+    lines += ["  " + line for line in text_table(rows)]
     if selection.excluded:
         by_reason: dict[str, list[str]] = {}
         for name, reason in selection.excluded.items():

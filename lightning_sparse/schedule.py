@@ -32,13 +32,19 @@ _BOUNDARY_FORMS = (
 
 
 def parse_sparsity(value: Any, where: str = "sparsity") -> Sparsity:
-    """Parse a sparsity value: a float in [0, 1) or an ``"N:M"`` string.
+    """Parse a sparsity value: a float in [0, 1) or an ``"N:M"`` string (a number written as
+    a string, as a command line may pass it, counts as the number).
 
-    >>> parse_sparsity("2:4"), parse_sparsity(0.7)
-    (NM(n=2, m=4), 0.7)
+    >>> parse_sparsity("2:4"), parse_sparsity(0.7), parse_sparsity("0.7")
+    (NM(n=2, m=4), 0.7, 0.7)
     """
     if isinstance(value, NM):
         return value
+    if isinstance(value, str) and _NM_RE.match(value) is None:
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, str):
         match = _NM_RE.match(value)
         if match is None:
@@ -59,8 +65,20 @@ def parse_sparsity(value: Any, where: str = "sparsity") -> Sparsity:
         raise ValueError(
             f"{where}={value!r} is outside [0, 1): it is the fraction of weights pruned, "
             f"so use e.g. 0.7 for 70% zeros, 0.0 for dense, or an 'N:M' pattern such as '2:4'"
+            f"{_base60_hint(value)}"
         )
     return float(value)
+
+
+def _base60_hint(value: float) -> str:
+    """YAML 1.1 (PyYAML, jsonargparse) reads an unquoted ``2:4`` as the base-60 number 124."""
+    n, m = divmod(int(value), 60)
+    if value != int(value) or not 0 < n < m:
+        return ""
+    return (
+        f" ({value:g} is how YAML 1.1 reads an unquoted {n}:{m}, as a base-60 number: "
+        f"quote it, sparsity: '{n}:{m}')"
+    )
 
 
 @dataclass(frozen=True)
@@ -175,7 +193,7 @@ class Phase:
         NM(n=2, m=4)
     """
 
-    sparsity: float | str = 0.0
+    sparsity: str | float = 0.0
     until: int | float | str | None = None
     algorithm: str | None = None
     init: str | None = None

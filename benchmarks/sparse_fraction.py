@@ -1,0 +1,216 @@
+"""Does sparse-then-dense training keep quality? The sparse fraction of the run vs the task metric.
+
+The CPU-scale version of the table in PyTorch's 2:4 DINOv2 training blog (ImageNet linear probe
+of ViT-L: dense 82.8, 2:4 for 40% of the steps 82.9, 70% 82.7, always 2:4 82.3). Two demo
+models from ``lightning_sparse.demo``, trained from scratch with the real ``SparsityCallback``:
+
+- ViT: ``ViTClassifier()`` on ``DigitsDataModule()`` (the recipes/vit/cpu_demo.yaml model),
+  metric: final val/acc (360 held-out digits; the split is fixed, the seed varies init and order);
+- GPT: the ``tiny`` byte-level ``GPTLanguageModel`` on ``PydocTextDataModule``
+  (recipes/gpt/cpu_demo.yaml), metric: final val/loss in nats per byte (the seed varies init
+  and the training windows);
+
+under five schedules of the MLP linears (ViT ``blocks.*.mlp.fc1/fc2``, GPT
+``transformer.h.*.mlp.c_fc/c_proj``), each over ``--seeds`` seeds:
+
+- dense;
+- 2:4 (``runtime``: re-derived from the dense weights at every forward, straight-through) for
+  the first 40% / 70% / 100% of the optimizer steps, then dense;
+- 70% unstructured (``static``: the mask chosen by magnitude at the start, i.e. at
+  initialization; pruned weights stay zero) for 70% of the steps, then dense.
+
+Every run ends with a validation pass; an always-sparse run is evaluated with its 2:4 weights.
+Runs go to ``--workers`` processes of ``--threads`` threads each. Prints one Markdown table
+(mean ± sample std over the seeds, and each seed's value) and the setup.
+
+    python benchmarks/sparse_fraction.py                      # 30 runs, ~25-35 min on 2 cores
+    python benchmarks/sparse_fraction.py --seeds 1 --vit-epochs 2 --gpt-steps 40   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Any
+
+import lightning as L
+import torch
+from common import markdown_table
+
+from lightning_sparse import SparsityCallback
+from lightning_sparse.demo import (
+    DigitsDataModule,
+    GPTLanguageModel,
+    PydocTextDataModule,
+    ViTClassifier,
+)
+
+SCHEDULES: dict[str, list[dict[str, Any]] | None] = {
+    "dense": None,
+    "2:4 for 40%, then dense": [{"sparsity": "2:4", "until": 0.4}, {"sparsity": 0.0}],
+    "2:4 for 70%, then dense": [{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}],
+    "2:4 always (100%)": [{"sparsity": "2:4"}],
+    "70% unstructured for 70%, then dense": [
+        {"sparsity": 0.7, "until": 0.7},
+        {"sparsity": 0.0},
+    ],
+}
+PARAMS = {
+    "vit": ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"],
+    "gpt": ["transformer.h.*.mlp.c_fc.weight", "transformer.h.*.mlp.c_proj.weight"],
+}
+METRIC = {"vit": "val/acc", "gpt": "val/loss"}
+GPT_BATCHES_PER_EPOCH = 200
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str
+    schedule: str
+    seed: int
+    vit_epochs: int
+    gpt_steps: int
+
+
+def _build(run: Run) -> tuple[L.LightningModule, L.LightningDataModule, dict[str, Any]]:
+    """Model, data and run length of one run (the CPU demo recipes' settings)."""
+    if run.model == "vit":
+        return ViTClassifier(), DigitsDataModule(), {"max_epochs": run.vit_epochs}
+    batch_size = 32
+    data = PydocTextDataModule(
+        batch_size=batch_size,
+        seed=run.seed,
+        samples_per_epoch=GPT_BATCHES_PER_EPOCH * batch_size,
+    )
+    return GPTLanguageModel(preset="tiny"), data, {"max_steps": run.gpt_steps}
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def train(run: Run) -> tuple[Run, float, float]:
+    """One run: ``(run, final task metric, wall seconds)``."""
+    L.seed_everything(run.seed, verbose=False)
+    model, data, length = _build(run)
+    phases = SCHEDULES[run.schedule]
+    callbacks = (
+        []
+        if phases is None
+        else [SparsityCallback(phases=phases, params=PARAMS[run.model], verbose=False)]
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **length,
+    )
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    if run.model == "gpt" and trainer.global_step % GPT_BATCHES_PER_EPOCH:
+        trainer.validate(model, data, verbose=False)  # the run ended mid-epoch
+    metric = float(trainer.callback_metrics[METRIC[run.model]])
+    return run, metric, time.perf_counter() - start
+
+
+def _cell(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    each = ", ".join(f"{v:.3f}" for v in values)
+    return f"{mean:.3f} ± {std:.3f} ({each})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--vit-epochs", type=int, default=30, help="45 steps per epoch")
+    parser.add_argument("--gpt-steps", type=int, default=800)
+    parser.add_argument("--workers", type=int, default=2, help="parallel processes")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument(
+        "--models", nargs="+", default=["vit", "gpt"], choices=["vit", "gpt"]
+    )
+    args = parser.parse_args()
+    runs = [
+        Run(model, schedule, seed, args.vit_epochs, args.gpt_steps)
+        for seed in range(args.seeds)
+        for model in args.models
+        for schedule in SCHEDULES
+    ]
+    results: dict[tuple[str, str], dict[int, float]] = {}
+    seconds: dict[str, list[float]] = {model: [] for model in args.models}
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    with ProcessPoolExecutor(
+        args.workers,
+        mp_context=get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(args.threads,),
+    ) as pool:
+        futures = [pool.submit(train, run) for run in runs]
+        for done, future in enumerate(as_completed(futures), 1):
+            run, metric, wall = future.result()
+            results.setdefault((run.model, run.schedule), {})[run.seed] = metric
+            seconds[run.model].append(wall)
+            print(
+                f"[{done}/{len(runs)}] {run.model} | {run.schedule} | seed {run.seed}: "
+                f"{METRIC[run.model]} {metric:.4f} ({wall:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    total = time.perf_counter() - started
+
+    header = ["schedule (MLP linears)"] + [
+        f"{'ViT val/acc' if m == 'vit' else 'GPT val/loss'} (mean ± std, per seed)"
+        for m in args.models
+    ]
+    rows = []
+    for schedule in SCHEDULES:
+        cells = []
+        for model in args.models:
+            by_seed = results[model, schedule]
+            cells.append(_cell([by_seed[s] for s in sorted(by_seed)]))
+        rows.append([schedule, *cells])
+    print(markdown_table(header, rows))
+    print()
+    lengths = []
+    if "vit" in args.models:
+        lengths.append(
+            f"ViT {args.vit_epochs} epochs = {args.vit_epochs * 45} optimizer steps "
+            f"(batch 32), {statistics.fmean(seconds['vit']):.0f} s per run"
+        )
+    if "gpt" in args.models:
+        lengths.append(
+            f"GPT {args.gpt_steps} optimizer steps (batch 32 x 64 bytes), "
+            f"{statistics.fmean(seconds['gpt']):.0f} s per run"
+        )
+    load_after = os.getloadavg()
+    print(
+        f"{args.seeds} seeds per cell; {'; '.join(lengths)}; {len(runs)} runs in "
+        f"{total / 60:.1f} min on {args.workers} processes x {args.threads} thread(s); "
+        f"{datetime.date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, load average {load_before[0]:.1f} at the start, "
+        f"{load_after[0]:.1f} at the end. ViT: higher is better; GPT: nats per byte, lower "
+        f"is better."
+    )
+
+
+if __name__ == "__main__":
+    main()

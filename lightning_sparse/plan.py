@@ -1,0 +1,262 @@
+"""A dry run of a sparsity schedule: what the callbacks would do in a run, without training.
+
+:func:`plan_schedule` takes a configured ``Trainer`` (its ``SparsityCallback`` s, run length and
+precision), the model and the datamodule, and builds each group exactly as fit start would
+(:meth:`SparsityCallback.build`: parameter selection, phases resolved against the run, the
+backend each parameter gets on this machine and why), without applying any mask. It adds the
+per-layer sparsity in each phase and the theoretical forward FLOP savings
+(:mod:`lightning_sparse.flops`). :func:`format_plan` renders it as text; ``lightning-sparse
+plan`` prints that and plots the schedule (:mod:`lightning_sparse.plot`).
+
+The run length is what ``trainer.estimated_stepping_batches`` will be at fit start: ``max_steps``
+when the run is bounded by steps only, otherwise ``max_epochs`` times the optimizer steps per
+epoch (the train loader's batches, capped by ``limit_train_batches``, divided among the devices
+(on several devices the distributed sampler's rounding may add a batch) and by
+``accumulate_grad_batches``), capped by ``max_steps``. The datamodule is set up only when
+the epoch length is needed.
+
+Example:
+    >>> import lightning as L
+    >>> from lightning.pytorch.demos.boring_classes import BoringModel
+    >>> from lightning_sparse import SparsityCallback
+    >>> cb = SparsityCallback(phases=[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}])
+    >>> trainer = L.Trainer(max_steps=1000, callbacks=[cb], logger=False, accelerator="cpu")
+    >>> plan = plan_schedule(trainer, BoringModel())
+    >>> [(p.start, p.end) for p in plan.groups[0].sparsifier.phases]
+    [(0, 700), (700, 1000)]
+    >>> plan.groups[0].savings.run  # the only Linear is the output head, left dense
+    0.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_sparse.algorithms import RunLength, SparsityAlgorithm
+from lightning_sparse.backends.capability import autocast_dtype
+from lightning_sparse.callback import SparsityCallback
+from lightning_sparse.flops import FlopSavings, linear_flops_per_token, run_savings
+from lightning_sparse.masks import sparsity_fraction
+from lightning_sparse.report import plan_table, text_table
+from lightning_sparse.schedule import ResolvedPhase
+from lightning_sparse.selection import Selection
+from lightning_sparse.sparsifier import Sparsifier
+
+_RAMP_SAMPLES = 256  # steps sampled per phase to average a ramping target
+
+
+@dataclass
+class GroupPlan:
+    """One callback's group: its engine (phases, targets, backends), selection and numbers."""
+
+    name: str
+    sparsifier: Sparsifier
+    selection: Selection
+    end_sparsity: dict[str, list[float]]  #: per parameter: target at each phase's end
+    mean_sparsity: dict[str, list[float]]  #: per parameter: mean target over each phase
+    savings: FlopSavings
+
+
+@dataclass
+class SchedulePlan:
+    """What :func:`plan_schedule` found: the run length, each group, the Linear FLOPs."""
+
+    run: RunLength
+    run_description: str
+    groups: list[GroupPlan]
+    flops: dict[str, int]  #: forward FLOPs per token of each trainable Linear weight
+
+    @property
+    def run_savings(self) -> float:
+        """Fraction of the counted forward FLOPs skipped over the run, all groups together."""
+        return sum(group.savings.run for group in self.groups)
+
+
+def run_length(
+    trainer: pl.Trainer, datamodule: pl.LightningDataModule | None = None
+) -> tuple[RunLength, str]:
+    """The run's optimizer steps and steps per epoch as fit start will see them, and how they
+    were worked out (see the module docstring)."""
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    if max_epochs == -1 or max_epochs is None:
+        if max_steps == -1:
+            raise ValueError(
+                "the run has no length (max_epochs=-1 and max_steps=-1): set trainer.max_steps "
+                "or trainer.max_epochs so that the schedule's fractions can be resolved"
+            )
+        return RunLength(float(max_steps)), f"{max_steps} optimizer steps (max_steps)"
+    if datamodule is None:
+        raise ValueError(
+            f"max_epochs={max_epochs}: an epoch's length comes from the train dataloader, so "
+            f"give a datamodule, or bound the run with trainer.max_steps"
+        )
+    datamodule.setup("fit")
+    try:
+        length = len(datamodule.train_dataloader())
+    except TypeError:  # an iterable dataset without a length
+        if max_steps == -1:
+            raise ValueError(
+                "the train dataloader has no length, so max_epochs gives no number of steps: "
+                "set trainer.max_steps"
+            ) from None
+        return RunLength(float(max_steps)), f"{max_steps} optimizer steps (max_steps)"
+    batches = _limited(length, trainer.limit_train_batches)
+    batches = math.ceil(batches / max(1, trainer.world_size))
+    per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+    total = per_epoch * max(max_epochs, 1)
+    how = (
+        f"max_epochs={max_epochs} x {per_epoch} optimizer steps per epoch ({batches} batches"
+        + (f" per device on {trainer.world_size}" if trainer.world_size > 1 else "")
+        + f", accumulate_grad_batches={trainer.accumulate_grad_batches})"
+    )
+    if max_steps != -1 and max_steps < total:
+        total, how = max_steps, f"max_steps, reached before {how}"
+    return RunLength(float(total), float(per_epoch)), f"{total} optimizer steps: {how}"
+
+
+def _limited(length: int, limit: float) -> int:
+    """The train batches per epoch under ``limit_train_batches`` (as Lightning counts them)."""
+    if isinstance(limit, int):
+        return min(length, limit)
+    return int(length * limit)
+
+
+def _for_this_machine(trainer: pl.Trainer, model: nn.Module) -> nn.Module:
+    """The model in the dtype and on the device the run will use, so that backend choices
+    are those of fit start (``bf16-true`` weights, a CUDA device)."""
+    model = trainer.precision_plugin.convert_module(model)
+    device = trainer.strategy.root_device
+    on_meta = any(p.is_meta for p in model.parameters())
+    if device.type == "cuda" and not on_meta:
+        model.to(device)
+    return model
+
+
+def _phase_sparsity(
+    algo: SparsityAlgorithm | None,
+    phase: ResolvedPhase,
+    weights: dict[str, torch.Tensor],
+    total: float,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per parameter: the target at the phase's last step, and the mean over the phase."""
+    if algo is None:
+        zeros = dict.fromkeys(weights, 0.0)
+        return zeros, dict(zeros)
+    end = phase.end if phase.end is not None else int(total)
+    last = max(phase.start, end - 1)
+    final = {
+        name: sparsity_fraction(target)
+        for name, target in algo.layer_targets(last, weights, None).items()
+    }
+    group_final = sparsity_fraction(algo.target_at(last))
+    count = min(_RAMP_SAMPLES, end - phase.start)
+    samples = [phase.start + (end - phase.start) * i // count for i in range(count)]
+    group_mean = sum(sparsity_fraction(algo.target_at(s)) for s in samples) / count
+    scale = group_mean / group_final if group_final else 0.0
+    return final, {name: value * scale for name, value in final.items()}
+
+
+def _plan_group(
+    callback: SparsityCallback,
+    model: nn.Module,
+    run: RunLength,
+    compute_dtype: torch.dtype | None,
+    others: list[tuple[str, Selection]],
+    flops: dict[str, int],
+) -> GroupPlan:
+    sparsifier, selection = callback.build(model, run, compute_dtype, others)
+    weights = {t.name: t.param.detach() for t in sparsifier.targets}
+    end: dict[str, list[float]] = {name: [] for name in weights}
+    mean: dict[str, list[float]] = {name: [] for name in weights}
+    fractions = []
+    for phase in sparsifier.phases:
+        phase_end = phase.end if phase.end is not None else run.total_steps
+        fractions.append((phase_end - phase.start) / run.total_steps)
+        algo = sparsifier.algorithms.get(phase.index)
+        final, average = _phase_sparsity(algo, phase, weights, run.total_steps)
+        for name in weights:
+            end[name].append(final[name])
+            mean[name].append(average[name])
+    savings = run_savings(mean, fractions, flops)
+    return GroupPlan(callback.name, sparsifier, selection, end, mean, savings)
+
+
+def plan_schedule(
+    trainer: pl.Trainer,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule | None = None,
+) -> SchedulePlan:
+    """Build every ``SparsityCallback`` of ``trainer`` for ``model`` as fit start would, without
+    training or applying masks (see the module docstring).
+
+    Raises:
+        ValueError: the trainer has no ``SparsityCallback``, the run has no length, or a
+            callback's configuration fails at fit start (the same errors as ``fit``).
+    """
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SparsityCallback)]
+    if not callbacks:
+        raise ValueError(
+            "the trainer has no SparsityCallback, so there is no schedule to plan: add one to "
+            "trainer.callbacks (e.g. --config recipes/overlays/sparsity_24_70pct.yaml)"
+        )
+    run, how = run_length(trainer, datamodule)
+    model = _for_this_machine(trainer, model)
+    flops = linear_flops_per_token(model)
+    compute_dtype = autocast_dtype(trainer.precision)
+    groups: list[GroupPlan] = []
+    for callback in callbacks:
+        others = [(g.name, g.selection) for g in groups]
+        groups.append(_plan_group(callback, model, run, compute_dtype, others, flops))
+    return SchedulePlan(run, how, groups, flops)
+
+
+def format_plan(plan: SchedulePlan) -> str:
+    """The plan as text: run length, each group's table (parameters, phases, backends and
+    why), per-layer sparsity and FLOPs, and the theoretical FLOP savings."""
+    lines = [f"Run: {plan.run_description}", ""]
+    total = plan.flops and sum(plan.flops.values())
+    for group in plan.groups:
+        sp = group.sparsifier
+        lines.append(plan_table(sp, group.selection))
+        lines.append("")
+        lines.append(
+            "  per-layer sparsity at the end of each phase, and forward MFLOP per token:"
+        )
+        header = ["parameter", "MFLOP/token"] + [
+            f"phase {p.index + 1}" for p in sp.phases
+        ]
+        rows = [header]
+        for name, values in group.end_sparsity.items():
+            mflop = (
+                f"{plan.flops[name] / 1e6:.3g}" if name in plan.flops else "not counted"
+            )
+            rows.append([name, mflop] + [f"{v:.1%}" for v in values])
+        lines += ["    " + line for line in text_table(rows)]
+        saved = group.savings
+        share = saved.selected_per_token / total if total else 0.0
+        lines.append(
+            f"  sparsified Linear layers: {saved.selected_per_token / 1e6:.3g} of "
+            f"{saved.total_per_token / 1e6:.3g} MFLOP/token ({share:.1%} of the model's "
+            f"trainable Linear FLOPs)"
+        )
+        for phase, fraction in zip(sp.phases, saved.per_phase):
+            end = phase.end if phase.end is not None else plan.run.total_steps
+            length = (end - phase.start) / plan.run.total_steps
+            lines.append(
+                f"  phase {phase.index + 1} ({phase.span()}, {length:.0%} of the run, "
+                f"{phase.spec.describe()}): skips {fraction:.1%} of the forward Linear FLOPs"
+            )
+        lines.append("")
+    lines.append(
+        f"Theoretical forward FLOP savings over the run: {plan.run_savings:.1%} of the "
+        f"trainable nn.Linear matmul FLOPs (phases weighted by length). Only a kernel that "
+        f"skips the zeros saves them: the masked backend runs dense math, 2:4 sparse tensor "
+        f"cores at most 2x the dense rate (measured 1.1-1.4x). Counting rules: "
+        f"lightning_sparse/flops.py."
+    )
+    return "\n".join(lines)
