@@ -1,6 +1,6 @@
 """Elementwise work over mask-sized tensors, run by NumPy on the CPU and by torch elsewhere.
 
-A few operations that mask updates and gradient masking lean on have slow CPU kernels in torch:
+A few operations that mask updates lean on have slow CPU kernels in torch:
 ``nonzero`` and comparisons into bool tensors run element by element, and any op that mixes a
 float and a bool tensor (``grad * mask``) casts element by element (about 3x slower than the
 same work through NumPy's vectorized loops on the same memory). These functions run NumPy on a
@@ -132,19 +132,6 @@ def multiply_by_mask_(tensor: Tensor, mask: Tensor) -> None:
         tensor.mul_(mask)
         return
     np.multiply(values, flags, out=values)
-
-
-def multiply_by_masks_(tensors: list[Tensor], masks: list[Tensor]) -> None:
-    """:func:`multiply_by_mask_` over pairs: NumPy for the CPU tensors, one fused
-    ``torch._foreach_mul_`` for the others (per dtype and device)."""
-    rest = []
-    for tensor, mask in zip(tensors, masks):
-        if numpy_view(tensor) is not None and numpy_view(mask) is not None:
-            multiply_by_mask_(tensor, mask)
-        else:
-            rest.append((tensor, mask))
-    if rest:
-        torch._foreach_mul_([t for t, _ in rest], [m for _, m in rest])
 
 
 def zero_where_(tensor: Tensor, where: Tensor) -> None:

@@ -108,6 +108,7 @@ class SparsityCallback(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._active = False
         self._last_logged_step = -1
+        self._shown: tuple[int, int] | None = None  # (phase, epoch) in the progress bar
 
     @classmethod
     def from_config(
@@ -144,6 +145,7 @@ class SparsityCallback(Callback):
         self._active = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._shown = None
         total = float(trainer.estimated_stepping_batches)
         batches = float(trainer.num_training_batches)
         steps_per_epoch = (
@@ -256,14 +258,17 @@ class SparsityCallback(Callback):
         batch_idx: int,
     ) -> None:
         assert self.sparsifier is not None
-        pl_module.log(
-            f"{self.name}_phase",
-            float(_phase_number(self.sparsifier)),
-            prog_bar=True,
-            logger=False,
-            on_step=True,
-            on_epoch=False,
-        )
+        shown = (_phase_number(self.sparsifier), trainer.current_epoch)
+        if shown != self._shown:  # the bar keeps the value; `log` costs ~1 ms a call
+            self._shown = shown
+            pl_module.log(
+                f"{self.name}_phase",
+                float(shown[0]),
+                prog_bar=True,
+                logger=False,
+                on_step=True,
+                on_epoch=False,
+            )
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if step != self._last_logged_step and step % every == 0:

@@ -45,7 +45,6 @@ from lightning_sparse.array_ops import (
     flat_nonzero,
     free_scratch,
     multiply_by_mask_,
-    multiply_by_masks_,
 )
 from lightning_sparse.backends import (
     BackendChoice,
@@ -381,8 +380,10 @@ class Sparsifier:
         return all(_all_finite(x.detach()) for x in [*weights, *grads.values()])
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Zero the gradients of pruned weights (NumPy on the CPU, else one fused pass per
-        dtype/device)."""
+        """Zero the gradients of pruned weights: one fused ``torch._foreach_mul_`` per dtype and
+        device, by the masks' bytes (a ``uint8`` view of a plain bool mask: no copy, and no
+        element-by-element bool-to-float cast, which makes multiplying by a bool tensor about
+        5x slower on the CPU; the products are the same bit for bit)."""
         key = id(optimizer)
         if key not in self._grad_lists:
             in_opt = {
@@ -391,13 +392,13 @@ class Sparsifier:
             chosen = [t for t in self.targets if id(t.param) in in_opt]
             self._grad_lists[key] = (
                 [t.param for t in chosen],
-                [self.masks[t.name] for t in chosen],
+                [_as_multiplier(self.masks[t.name]) for t in chosen],
             )
         params, masks = self._grad_lists[key]
         pairs = [(p.grad, m) for p, m in zip(params, masks) if p.grad is not None]
         if pairs:
             grads, grad_masks = zip(*pairs)
-            multiply_by_masks_(list(grads), list(grad_masks))
+            torch._foreach_mul_(list(grads), list(grad_masks))
 
     # -- observability --------------------------------------------------------------------------
     def target_sparsity(self, step: int) -> float:
@@ -484,6 +485,11 @@ class Sparsifier:
             masks[t.name] = mask.to(device=t.param.device, dtype=torch.bool)
         self.current = self.phases[index]
         self._apply(masks, optimizers, zero_state=False)
+
+
+def _as_multiplier(mask: Tensor) -> Tensor:
+    """``mask``'s bytes as ``uint8`` (a view) for a plain tensor; a DTensor shard as it is."""
+    return mask.view(torch.uint8) if type(mask) is torch.Tensor else mask
 
 
 def _all_finite(x: Tensor) -> bool:

@@ -281,6 +281,25 @@ def test_target_and_actual_sparsity_reach_csv_logs_and_phase_the_progress_bar(tm
     assert trainer.progress_bar_metrics["sparsity_phase"] == 2.0
 
 
+class BarRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[float | None] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.seen.append(trainer.progress_bar_metrics.get("sparsity_phase"))
+
+
+def test_progress_bar_shows_the_phase_at_every_step_across_epochs():
+    cb = SparsityCallback(
+        phases=[{"sparsity": 0.5, "until": "5 steps"}, {"sparsity": 0.0}],
+        verbose=False,
+    )
+    bar = BarRecorder()
+    trainer = fast_trainer(max_epochs=3, callbacks=[cb, bar])
+    trainer.fit(TinyModule(), random_loader(n=16, batch_size=4))
+    assert bar.seen == [1.0] * 5 + [2.0] * 7
+
+
 def test_fit_start_table_lists_parameters_phases_backend_and_reasons(lightning_log):
     cb = SparsityCallback(phases=[{"sparsity": "2:4", "until": 0.5}, {"sparsity": 0.0}])
     fast_trainer(max_steps=2, callbacks=[cb]).fit(TinyModule(), random_loader())
