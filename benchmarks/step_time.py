@@ -3,15 +3,25 @@
 One process; the variants run interleaved, ``--repeats`` times each, on the same timm ViT
 (img 32, patch 4, dim 192, depth 6, 3 heads) with AdamW through a real ``lightning.Trainer``.
 Reported: the median step time over all timed steps of all repeats, its ratio to the first
-dense run (a second dense run shows the noise floor), and extra live-tensor memory vs dense.
+dense run (a second dense run shows the noise floor), the time spent inside this project's
+callback hooks per step (the callback's own work, timed on the real hooks), and extra
+live-tensor memory vs dense.
 
-    python benchmarks/step_time.py                 # batch 64 and 4, about 4 minutes on 2 cores
+A hard mask leaves AdamW's ``exp_avg_sq`` exactly zero on pruned weights, and torch's CPU
+``sqrt`` (AVX-512 build) is several times slower on zeros than on other values: the default
+(single-tensor) AdamW step itself gets slower, whoever masks the gradients (ModelPruning too).
+The script measures that effect directly and prints it under the table; ``--fused`` runs the
+whole comparison with ``AdamW(fused=True)``, whose CPU kernel does not slow down on zeros.
+
+    python benchmarks/step_time.py                 # batch 64 and 4, about 8 minutes on 2 cores
+    python benchmarks/step_time.py --fused         # the same with AdamW(fused=True)
     python benchmarks/step_time.py --batch-sizes 4 --repeats 2 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +38,9 @@ from lightning_sparse import SparsityCallback
 
 
 class ViTModule(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.model = timm.models.vision_transformer.VisionTransformer(
             img_size=32,
             patch_size=4,
@@ -44,7 +55,9 @@ class ViTModule(L.LightningModule):
         return nn.functional.cross_entropy(self.model(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.05)
+        return torch.optim.AdamW(
+            self.parameters(), lr=1e-4, weight_decay=0.05, fused=self.fused
+        )
 
 
 class PruningFromFirstStep(ModelPruning):
@@ -72,6 +85,43 @@ class StepTimer(L.Callback):
             self.times.append(time.perf_counter() - self._start)
         if trainer.global_step == trainer.max_steps:
             self.live_bytes = live_tensor_bytes()
+
+
+class HookTimer:
+    """Wraps the per-step hooks of a callback instance (Lightning looks hooks up on the
+    instance) and sums the time spent in them during timed steps."""
+
+    HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+    def __init__(self, callback: L.Callback, warmup: int) -> None:
+        self.total = 0.0
+        for hook in self.HOOKS:
+            setattr(callback, hook, self._timed(getattr(callback, hook), warmup))
+
+    def _timed(self, hook: Callable[..., None], warmup: int) -> Callable[..., None]:
+        def timed(trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            hook(trainer, *args, **kwargs)
+            if trainer.global_step > warmup:
+                self.total += time.perf_counter() - start
+
+        return timed
+
+
+def adam_sqrt_on_zeros(numel: int, sparsity: float = 0.7) -> tuple[float, float]:
+    """Median ms of ``torch.sqrt`` over ``numel`` float32 values, random vs ``sparsity`` zeros
+    (what AdamW's default step computes over ``exp_avg_sq``)."""
+    values = torch.rand(numel)
+    zeros = values.masked_fill(torch.rand(numel) < sparsity, 0.0)
+    result = []
+    for x in (values, zeros):
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            x.sqrt()
+            times.append(time.perf_counter() - start)
+        result.append(median(times[3:]) * 1e3)
+    return result[0], result[1]
 
 
 def block_linears(module: ViTModule) -> list[tuple[nn.Module, str]]:
@@ -107,13 +157,16 @@ VARIANTS: dict[str, Callable[[ViTModule], list[L.Callback]]] = {
 
 
 def run_variant(
-    name: str, batch_size: int, steps: int, warmup: int
-) -> tuple[list[float], int]:
-    """Step times, and the tensor bytes the run added (model, optimizer, data, masks...)."""
+    name: str, batch_size: int, steps: int, warmup: int, fused: bool
+) -> tuple[list[float], float, int]:
+    """Step times, the time per timed step inside SparsityCallback hooks, and the tensor bytes
+    the run added (model, optimizer, data, masks...)."""
     before = live_tensor_bytes()
     torch.manual_seed(0)
-    module = ViTModule()
+    module = ViTModule(fused)
     timer = StepTimer(warmup)
+    callbacks = VARIANTS[name](module)
+    hooks = [HookTimer(c, warmup) for c in callbacks if isinstance(c, SparsityCallback)]
     data = TensorDataset(
         torch.randn(batch_size * 4, 3, 32, 32), torch.randint(0, 10, (batch_size * 4,))
     )
@@ -124,23 +177,29 @@ def run_variant(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=VARIANTS[name](module) + [timer],
+        callbacks=[*callbacks, timer],
     )
     trainer.fit(module, DataLoader(data, batch_size=batch_size))
-    return timer.times, timer.live_bytes - before
+    hook_time = sum(h.total for h in hooks) / max(len(timer.times), 1)
+    return timer.times, hook_time, timer.live_bytes - before
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 4])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="interleaved runs of each variant"
+    )
     parser.add_argument(
         "--steps",
         type=int,
         default=0,
-        help="timed steps per run (default: 15 at batch>=32, 40 below)",
+        help="timed steps per run (default: 10 at batch>=32, 30 below)",
     )
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--fused", action="store_true", help="AdamW(fused=True) instead of the default"
+    )
     args = parser.parse_args()
     import logging
 
@@ -148,18 +207,25 @@ def main() -> None:
     sparse_weights = sum(
         p.numel() for m, _ in block_linears(ViTModule()) for p in [m.weight]
     )
+    optimizer = "AdamW(fused=True)" if args.fused else "AdamW (torch's default)"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {sparse_weights / 1e6:.2f} M sparse weights"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {optimizer}, "
+        f"{sparse_weights / 1e6:.2f} M sparse weights, load average "
+        + ", ".join(f"{x:.1f}" for x in os.getloadavg())
     )
     rows = []
     for batch_size in args.batch_sizes:
-        steps = args.steps or (15 if batch_size >= 32 else 40)
+        steps = args.steps or (10 if batch_size >= 32 else 30)
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        hook_times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         memory: dict[str, int] = {}
         for repeat in range(args.repeats):
             for name in VARIANTS:
-                t, mem = run_variant(name, batch_size, steps, args.warmup)
+                t, hook_time, mem = run_variant(
+                    name, batch_size, steps, args.warmup, args.fused
+                )
                 times[name] += t
+                hook_times[name].append(hook_time)
                 memory[name] = mem
                 print(
                     f"  batch {batch_size} repeat {repeat + 1}: {name:<38} {median(t) * 1e3:8.2f} ms",
@@ -168,12 +234,16 @@ def main() -> None:
         base = median(times["dense"])
         for name in VARIANTS:
             extra = memory[name] - memory["dense"]
+            hooks = median(hook_times[name]) * 1e3
             rows.append(
                 [
                     str(batch_size),
                     name,
                     f"{median(times[name]) * 1e3:.2f}",
                     f"{median(times[name]) / base:.3f}x",
+                    f"{hooks:.2f} ({hooks / (base * 1e3):.1%})"
+                    if name.startswith("lightning_sparse")
+                    else "-",
                     f"{extra / 2**20:+.2f}",
                     f"{extra / sparse_weights:+.2f}",
                 ]
@@ -186,11 +256,17 @@ def main() -> None:
                 "variant",
                 "step ms (median)",
                 "vs dense",
+                "callback hooks ms/step (of dense step)",
                 "extra MiB",
                 "extra bytes / sparse weight",
             ],
             rows,
         )
+    )
+    dense_ms, zeros_ms = adam_sqrt_on_zeros(sparse_weights)
+    print(
+        f"\ntorch.sqrt over {sparse_weights / 1e6:.2f} M float32 values (AdamW's exp_avg_sq): "
+        f"{dense_ms:.2f} ms random, {zeros_ms:.2f} ms with 70% zeros ({zeros_ms / dense_ms:.1f}x)"
     )
 
 

@@ -3,9 +3,7 @@ broadcast, after every kind of mask update and after a resume; FSDP2 masks on sh
 equal the DDP masks at every step.
 
 One 2-process job runs, for each strategy, every phase below in sequence (STEPS optimizer steps
-each), checkpoints inside the ``magnitude`` phase, and resumes from there. Phases whose algorithm or
-distribution is not registered yet are left out of the job (and reported by a skipped test), so
-``set``/``rigl``/``global``/``erk`` are covered as soon as they land.
+each), checkpoints inside the ``magnitude`` phase, and resumes from there.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 from multiprocess import run_workers
 
 from lightning_sparse import SparsityCallback
-from lightning_sparse.algorithms import build_algorithm, registered_algorithms
 from lightning_sparse.schedule import Phase, resolve_phases
 from lightning_sparse.selection import select_parameters
 from lightning_sparse.sparsifier import Sparsifier
@@ -55,42 +52,16 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
 ]
 
 
-def missing(phase: dict[str, Any]) -> str | None:
-    """What a phase needs that is not registered yet, or None if it can run."""
-    algorithm = phase.get("algorithm")
-    if algorithm is not None and algorithm not in registered_algorithms():
-        return f"algorithm {algorithm!r}"
-    try:
-        build_algorithm(resolve_phases([Phase.from_any(phase)], total_steps=10)[0])
-    except ValueError as err:
-        if "distribution" in phase and "distribution" in str(err):
-            return f"distribution {phase['distribution']!r}"
-        raise
-    return None
-
-
-def plan() -> tuple[list[tuple[str, dict[str, Any], bool]], list[str]]:
-    runnable, pending = [], []
-    for label, phase, dynamic in ENTRIES:
-        need = missing(phase)
-        if need is None:
-            runnable.append((label, phase, dynamic))
-        else:
-            pending.append(f"{label} ({need} not registered)")
-    return runnable, pending
-
-
 def job_config() -> dict[str, Any]:
-    runnable, _ = plan()
     phases = [
-        {**phase, "until": STEPS * (i + 1)} for i, (_, phase, _) in enumerate(runnable)
+        {**phase, "until": STEPS * (i + 1)} for i, (_, phase, _) in enumerate(ENTRIES)
     ]
     phases.append({"sparsity": 0.0})
-    labels = [label for label, _, _ in runnable]
+    labels = [label for label, _, _ in ENTRIES]
     magnitude = labels.index("magnitude")
     return {
         "phases": phases,
-        "max_steps": STEPS * (len(runnable) + 1),
+        "max_steps": STEPS * (len(ENTRIES) + 1),
         # inside the magnitude phase, after an update and just before the next one
         "checkpoint_step": STEPS * magnitude + 2,
         "seed": SEED,
@@ -148,8 +119,7 @@ def check_job(reports: list[dict[str, Any]], config: dict[str, Any]) -> None:
     assert rank0["resumed"]["weights"] == rank0["full"]["weights"]
     assert rank0["full"]["steps"]["0"]["masks"] == single_process_initial_masks(config)
     # the job exercised real updates: dynamic phases changed their masks
-    runnable, _ = plan()
-    for i, (label, _, dynamic) in enumerate(runnable):
+    for i, (label, _, dynamic) in enumerate(ENTRIES):
         first, last = full[str(STEPS * i)], full[str(STEPS * i + STEPS - 1)]
         assert first["phase"] == last["phase"] == i, label
         assert first["masks"], label
@@ -195,14 +165,6 @@ def test_fsdp2_masks_on_uneven_and_column_shards_equal_whole_tensor_topk(job):
             assert columns["placements"] == "(Shard(dim=1),)"
             assert rows["local_shape"] == [[3, 6], [2, 6]][rank]
             assert rows["placements"] == "(Shard(dim=0),)"
-
-
-def test_pending_phase_entries_are_reported():
-    _, pending = plan()
-    if pending:
-        pytest.skip(
-            f"left out of the DDP/FSDP2 jobs until registered: {', '.join(pending)}"
-        )
 
 
 FSDP1_ERROR = r"FSDPStrategy \(strategy='fsdp', FSDP1\).*Use ModelParallelStrategy"
