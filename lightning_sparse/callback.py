@@ -108,7 +108,7 @@ class SparsityCallback(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._active = False
         self._last_logged_step = -1
-        self._shown: tuple[int, int] | None = None  # (phase, epoch) in the progress bar
+        self._shown: int | None = None  # the phase number in the progress bar
 
     @classmethod
     def from_config(
@@ -258,12 +258,12 @@ class SparsityCallback(Callback):
         batch_idx: int,
     ) -> None:
         assert self.sparsifier is not None
-        shown = (_phase_number(self.sparsifier), trainer.current_epoch)
-        if shown != self._shown:  # the bar keeps the value; `log` costs ~1 ms a call
-            self._shown = shown
+        phase = _phase_number(self.sparsifier)
+        if phase != self._shown:  # the bar keeps the value; `log` costs ~1 ms a call
+            self._shown = phase
             pl_module.log(
                 f"{self.name}_phase",
-                float(shown[0]),
+                float(phase),
                 prog_bar=True,
                 logger=False,
                 on_step=True,
@@ -277,6 +277,8 @@ class SparsityCallback(Callback):
     def _log_sparsity(self, trainer: pl.Trainer, step: int) -> None:
         assert self.sparsifier is not None
         self._last_logged_step = step
+        if not trainer.loggers:
+            return  # nothing would record it (counting the zeros reads every weight)
         metrics = {
             f"sparsity/{self.name}/target": self.sparsifier.target_sparsity(step),
             f"sparsity/{self.name}/actual": self.sparsifier.actual_sparsity(),

@@ -295,8 +295,9 @@ def test_progress_bar_shows_the_phase_at_every_step_across_epochs():
         verbose=False,
     )
     bar = BarRecorder()
-    trainer = fast_trainer(max_epochs=3, callbacks=[cb, bar])
-    trainer.fit(TinyModule(), random_loader(n=16, batch_size=4))
+    trainer = fast_trainer(max_epochs=3, callbacks=[cb, bar], limit_val_batches=2)
+    loader = random_loader(n=16, batch_size=4)
+    trainer.fit(TinyModule(), loader, loader)  # validation between the epochs
     assert bar.seen == [1.0] * 5 + [2.0] * 7
 
 
