@@ -118,6 +118,17 @@ def fast_trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(**defaults)
 
 
+class StopAt(L.Callback):
+    """Ends the run after optimizer step ``step``, as an interruption would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 class StepProbe(L.Callback):
     """Records, at every optimizer step, what the forward saw and what is stored."""
 

@@ -4,7 +4,7 @@ on a mask-update step, export, and bad checkpoints."""
 import lightning as L
 import pytest
 import torch
-from helpers import RepeatedBatch, TinyModule, fast_trainer
+from helpers import RepeatedBatch, StopAt, TinyModule, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -23,17 +23,6 @@ def loader():
     return DataLoader(
         RepeatedBatch(n=24, batch_size=6), batch_size=6
     )  # 4 identical batches per epoch
-
-
-class StopAt(L.Callback):
-    """Ends the run after optimizer step ``step``, as an interruption would."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 def run(tmp_path, stop_at=None, ckpt_path=None, every=None, seed=0, extra=()):

@@ -5,7 +5,7 @@ import zlib
 import lightning as L
 import pytest
 import torch
-from helpers import RepeatedBatch, TinyModule, fast_trainer, random_loader
+from helpers import RepeatedBatch, StopAt, TinyModule, fast_trainer, random_loader
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -456,15 +456,6 @@ def test_at_most_one_update_per_step_also_after_restoring_state():
     )  # resumed inside step 3
     assert torch.equal(restored.masks["0.weight"], after)
     assert restored.before_optimizer_step(4, opt, [opt]) is True
-
-
-class StopAt(L.Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 def resume_run(tmp_path, phases, stop_at=None, ckpt_path=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import CompiledTiny, RepeatedBatch, fast_trainer
+from helpers import CompiledTiny, RepeatedBatch, StopAt, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
@@ -101,14 +101,6 @@ class ClassProbe(L.Callback):
         self.classes[trainer.global_step] = type(pl_module.net.fc1).__name__
 
 
-class StopAfter(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.should_stop = trainer.global_step >= self.step
-
-
 PHASES = [
     {"sparsity": "2:4", "until": 3},
     {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 2, "until": 6},
@@ -128,7 +120,7 @@ def fit(tmp_path, backend="auto", stop=None, ckpt_path=None, compile=False):
     callbacks = [cb, probe]
     if stop:
         callbacks += [
-            StopAfter(stop),
+            StopAt(stop),
             ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=stop),
         ]
     trainer = fast_trainer(
