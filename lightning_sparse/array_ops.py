@@ -124,12 +124,20 @@ def count_true(mask: Tensor) -> int:
     return int(xp.count_nonzero(flags))
 
 
+def as_multiplier(mask: Tensor) -> Tensor:
+    """A bool ``mask`` as a factor for ``tensor * factor``: its bytes as ``uint8`` (a view, no
+    copy) for a plain tensor, a DTensor as it is. Multiplying by a bool tensor casts it element
+    by element (about 5x slower on the CPU); by ``uint8`` the products are the same bit for bit.
+    """
+    return mask.view(torch.uint8) if type(mask) is torch.Tensor else mask
+
+
 def multiply_by_mask_(tensor: Tensor, mask: Tensor) -> None:
     """``tensor *= mask`` for a bool ``mask`` shaped like ``tensor``: pruned entries become zeros
     carrying the sign of what they held (``-0.0`` for a negative value), as ``mul_`` writes."""
     values, flags = numpy_view(tensor), numpy_view(mask)
     if values is None or flags is None:
-        tensor.mul_(mask)
+        tensor.mul_(as_multiplier(mask))
         return
     np.multiply(values, flags, out=values)
 
