@@ -110,18 +110,20 @@ class SparseCLI(LightningCLI):
         """Run :meth:`SparseTrainer.plan`, the plot next to the config by default; a
         configuration error ends the command with its message."""
         if plot_path is None:
-            plot_path = str(self._default_plot_path())
+            plot_path = self._plot_path_beside_config()
         try:
             self.trainer.plan(model, datamodule, plot=plot, plot_path=plot_path)
         except ValueError as err:
             sys.exit(f"lightning-sparse plan: {err}")
 
-    def _default_plot_path(self) -> Path:
+    def _plot_path_beside_config(self) -> str | None:
+        """``<config stems joined by +>_plan.png`` beside the first config; ``None`` without a
+        config (the trainer's default then)."""
         configs = [Path(str(c)) for c in self.config["plan"].get("config") or []]
         if not configs:
-            return Path(self.trainer.default_root_dir) / "sparsity_plan.png"
+            return None
         stem = "+".join(c.stem for c in configs)
-        return configs[0].parent / f"{stem}_plan.png"
+        return str(configs[0].parent / f"{stem}_plan.png")
 
 
 def fit_summary(trainer: pl.Trainer, seconds: float) -> str:
