@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.array_ops import (
-    as_tensor,
+    abs_into,
     backend,
     chunks,
     count_true,
@@ -189,7 +189,7 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
         length = part.stop - part.start
         a = x[part]
         if magnitudes is not None:
-            a = xp.abs(a, out=magnitudes[:length])
+            a = abs_into(xp, a, magnitudes[:length])
         s, b = sure[part], band[:length]
         if inner is None:
             fill(xp, s, False)
@@ -213,21 +213,19 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
     index, values = xp.concatenate(band_index), xp.concatenate(band_value)
     if not 0 <= missing <= len(index):
         return False
-    if inner is not None and inner == outer:  # the band is one block of equal values
-        picked = index[:missing]
-    else:
-        picked = _first_k(xp, values, missing, c.largest, index)
-    chosen.index_fill_(0, as_tensor(picked, c.flat.device).to(torch.int64), True)
+    if missing == 0 or inner is not None and inner == outer:
+        sure[index[:missing]] = True  # (a band of equal values: the first ones)
+        return True
+    strict, ties = _first_k(xp, values, missing, c.largest)
+    sure[index] = strict  # band entries beyond the k-th value; the others stay unset
+    sure[index[ties]] = True
     return True
 
 
-def _first_k(xp: ModuleType, values, k: int, largest: bool, index):
-    """The ``k`` entries of ``index`` (ascending) whose ``values`` come first: the largest (or
-    smallest), ties to the earlier entries (NumPy arrays or tensors)."""
-    if k == len(values):
-        return index
-    if k == 0:
-        return index[:0]
+def _first_k(xp: ModuleType, values, k: int, largest: bool):
+    """Which ``k`` of ``values`` come first, the largest (or smallest), ties to the earlier
+    entries: ``(strict, ties)``, a bool array of those beyond the ``k``-th value and the
+    positions of the equal ones that complete the ``k`` (NumPy arrays or tensors)."""
     position = len(values) - k if largest else k - 1  # of the k-th, in ascending order
     if xp is np:
         kth = np.partition(values, position)[position]
@@ -235,4 +233,4 @@ def _first_k(xp: ModuleType, values, k: int, largest: bool, index):
         kth = values.kthvalue(position + 1).values
     strict = values > kth if largest else values < kth
     ties = nonzero_of(xp, values == kth)[: k - int(strict.sum())]
-    return xp.concatenate([index[strict], index[ties]])
+    return strict, ties

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from lightning_sparse import array_ops
 from lightning_sparse.array_ops import (
+    abs_into,
     count_true,
     flat_nonzero,
     multiply_by_mask_,
@@ -144,3 +145,25 @@ def test_scratch_masks_are_reused_per_slot():
     assert again.data_ptr() == first.data_ptr() != other.data_ptr()
     array_ops.free_scratch()
     assert scratch_mask(10, torch.device("cpu")).numel() == 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_abs_into_writes_the_bits_of_abs(dtype, path):
+    values = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.5,
+            -2.5,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            -float("nan"),
+        ],
+        dtype=dtype,
+    )
+    xp, (flat,) = array_ops.backend(values)
+    out = array_ops.scratch(xp, flat, len(flat))
+    got = array_ops.as_tensor(abs_into(xp, flat, out), values.device)
+    int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
+    assert torch.equal(got.view(int_type), values.abs().view(int_type))
