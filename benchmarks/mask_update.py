@@ -11,7 +11,10 @@ is timed at update steps and at plain steps, each followed by an (untimed) optim
 different gradients at consecutive updates, as in training. A plain step only masks the
 gradients (every hard-mask step pays that); an update step also checks finiteness, chooses the
 new masks, zeroes the weights and optimizer state whose mask changed, and then masks the
-gradients. "Mask update" is the difference of the medians; "phase
+gradients. "Mask update" is the difference of the medians; "update / AdamW step" is the median,
+over the repeats, of each run's update cost divided by the AdamW step timed just before that run
+(with the lowest and highest in brackets: this machine's memory speed drifts by up to 30%
+between minutes, and pairing each run with its own AdamW step cancels most of it); "phase
 start" is choosing the first masks when the phase begins.
 
     python benchmarks/mask_update.py                  # ~6 minutes, ~6 GB, 1 thread
@@ -111,6 +114,7 @@ def main() -> None:
 
     fresh_gradients()
     optimizer.step()  # allocate the state
+    optimizer.step()  # and touch it once more: the first steps run cold
     dense = [p.detach().clone() for p in params]  # every algorithm starts from these
     numel = sum(p.numel() for p in params)
     print(
@@ -119,7 +123,10 @@ def main() -> None:
     )
     targets = select_parameters(model, params=["*"]).targets
     adamw: list[float] = []
-    times = {name: {"start": [], "update": [], "plain": []} for name in args.algorithms}
+    times = {
+        name: {"start": [], "update": [], "plain": [], "ratio": []}
+        for name in args.algorithms
+    }
     for repeat in range(args.repeats):
         for name in args.algorithms:
             fresh_gradients()
@@ -134,6 +141,7 @@ def main() -> None:
                 seconds(lambda s=sparsifier: s.on_step_start(0, [optimizer]))
             )
             if sparsifier.algorithm is not None and sparsifier.algorithm.dynamic:
+                run: dict[str, list[float]] = {"update": [], "plain": []}
                 for step in (1, 2, 3, 4):
                     fresh_gradients(step)
                     kind = (
@@ -141,7 +149,7 @@ def main() -> None:
                         if sparsifier.algorithm.is_update_step(step)
                         else "plain"
                     )
-                    record[kind].append(
+                    run[kind].append(
                         seconds(
                             lambda s=sparsifier, t=step: s.before_optimizer_step(
                                 t, optimizer, [optimizer]
@@ -149,6 +157,11 @@ def main() -> None:
                         )
                     )
                     optimizer.step()  # as in training: regrown weights move off zero
+                # this run's update cost against the AdamW step timed just before it
+                cost = median(run["update"]) - median(run["plain"])
+                record["ratio"].append(cost / adamw[-1])
+                record["update"] += run["update"]
+                record["plain"] += run["plain"]
             sparsifier.close()
             print(
                 f"  repeat {repeat + 1}: {name:<16} phase start {record['start'][-1]:6.2f} s"
@@ -171,12 +184,13 @@ def main() -> None:
             continue
         plain = median(record["plain"])
         cost = median(record["update"]) - plain
+        ratios = sorted(record["ratio"])
         rows.append(
             [
                 name,
                 f"{plain * 1e3:.0f}",
                 f"{cost * 1e3:.0f}",
-                f"{cost / base:.2f}x",
+                f"{median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})",
                 start,
             ]
         )
