@@ -17,7 +17,7 @@ over the repeats, of each run's update cost divided by the AdamW step timed just
 between minutes, and pairing each run with its own AdamW step cancels most of it); "phase
 start" is choosing the first masks when the phase begins.
 
-    python benchmarks/mask_update.py                  # ~6 minutes, ~6 GB, 1 thread
+    python benchmarks/mask_update.py                  # ~5 minutes, ~6 GB, 1 thread
     python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms set rigl
 """
 
