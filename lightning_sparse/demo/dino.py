@@ -28,13 +28,13 @@ from torchmetrics.functional.classification import multiclass_accuracy
 from lightning_sparse.demo._checks import (
     check_choice,
     check_fraction,
-    check_non_negative_float,
     check_non_negative_int,
     check_positive_float,
     check_positive_int,
     resolve_steps,
 )
 from lightning_sparse.demo.optim import (
+    check_adamw_warmup_cosine,
     cosine_ramp,
     linear_ramp,
     param_groups_weight_decay,
@@ -330,20 +330,14 @@ class DINOSelfDistillation(L.LightningModule):
             ("student_temp", student_temp),
             ("teacher_temp", teacher_temp),
             ("warmup_teacher_temp", warmup_teacher_temp),
-            ("lr", lr),
             ("knn_temperature", knn_temperature),
             ("probe_lr", probe_lr),
         ):
             check_positive_float(name, value)
         check_fraction("center_momentum", center_momentum, allow_zero=True)
         check_fraction("momentum_teacher", momentum_teacher, allow_zero=True)
-        check_non_negative_float("weight_decay", weight_decay)
-        resolve_steps("warmup_steps", warmup_steps, 1)
+        check_adamw_warmup_cosine(lr, weight_decay, warmup_steps, min_lr_ratio)
         resolve_steps("warmup_teacher_temp_steps", warmup_teacher_temp_steps, 1)
-        if not 0 <= min_lr_ratio <= 1:
-            raise ValueError(
-                f"min_lr_ratio={min_lr_ratio!r} is invalid: it must be in [0, 1]"
-            )
         check_non_negative_int("freeze_last_layer_steps", freeze_last_layer_steps)
         check_positive_int("knn_k", knn_k)
         check_non_negative_int("probe_steps", probe_steps)

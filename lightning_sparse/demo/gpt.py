@@ -19,12 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
-from lightning_sparse.demo._checks import (
-    check_non_negative_float,
-    check_positive_float,
-    resolve_steps,
-)
 from lightning_sparse.demo.optim import (
+    check_adamw_warmup_cosine,
     param_groups_weight_decay,
     total_training_steps,
     warmup_cosine_schedule,
@@ -285,13 +281,7 @@ class GPTLanguageModel(L.LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
-        check_positive_float("lr", lr)
-        check_non_negative_float("weight_decay", weight_decay)
-        resolve_steps("warmup_steps", warmup_steps, 1)
-        if not 0 <= min_lr_ratio <= 1:
-            raise ValueError(
-                f"min_lr_ratio={min_lr_ratio!r} is invalid: it must be in [0, 1]"
-            )
+        check_adamw_warmup_cosine(lr, weight_decay, warmup_steps, min_lr_ratio)
         overrides = {
             "vocab_size": vocab_size,
             "block_size": block_size,

@@ -27,7 +27,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lightning_sparse.demo._checks import resolve_steps
+from lightning_sparse.demo._checks import (
+    check_non_negative_float,
+    check_positive_float,
+    resolve_steps,
+)
 
 
 def param_groups_weight_decay(
@@ -84,6 +88,26 @@ def warmup_cosine_factor(
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (
         1.0 + math.cos(math.pi * progress)
     )
+
+
+def check_adamw_warmup_cosine(
+    lr: float, weight_decay: float, warmup_steps: float, min_lr_ratio: float
+) -> None:
+    """Eager checks of the arguments the demo modules pass to AdamW and
+    :func:`warmup_cosine_schedule`: a ValueError names the bad one.
+
+    >>> check_adamw_warmup_cosine(1e-3, 0.05, 0.1, 1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: min_lr_ratio=1.5 is invalid: it must be in [0, 1]
+    """
+    check_positive_float("lr", lr)
+    check_non_negative_float("weight_decay", weight_decay)
+    resolve_steps("warmup_steps", warmup_steps, 1)
+    if not 0 <= min_lr_ratio <= 1:
+        raise ValueError(
+            f"min_lr_ratio={min_lr_ratio!r} is invalid: it must be in [0, 1]"
+        )
 
 
 def warmup_cosine_schedule(

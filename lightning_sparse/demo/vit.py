@@ -12,12 +12,10 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_sparse.demo._checks import (
-    check_non_negative_float,
-    check_positive_float,
     check_positive_int,
-    resolve_steps,
 )
 from lightning_sparse.demo.optim import (
+    check_adamw_warmup_cosine,
     param_groups_weight_decay,
     total_training_steps,
     warmup_cosine_schedule,
@@ -112,13 +110,7 @@ class ViTClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
-        check_positive_float("lr", lr)
-        check_non_negative_float("weight_decay", weight_decay)
-        resolve_steps("warmup_steps", warmup_steps, 1)
-        if not 0 <= min_lr_ratio <= 1:
-            raise ValueError(
-                f"min_lr_ratio={min_lr_ratio!r} is invalid: it must be in [0, 1]"
-            )
+        check_adamw_warmup_cosine(lr, weight_decay, warmup_steps, min_lr_ratio)
         if not 0 <= label_smoothing < 1:
             raise ValueError(
                 f"label_smoothing={label_smoothing!r} is invalid: it must be in [0, 1)"
