@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import shutil
 import sys
@@ -44,13 +43,6 @@ def _no_pytest_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
 
 
-@pytest.fixture
-def lightning_info(caplog):
-    """What Lightning's rank-zero logger prints (the callback's tables and summaries)."""
-    caplog.set_level(logging.INFO, logger="lightning.pytorch")
-    return caplog
-
-
 def test_help_lists_fit_validate_and_plan(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -59,7 +51,7 @@ def test_help_lists_fit_validate_and_plan(capsys):
 
 
 def test_fit_ends_with_the_phases_final_sparsity_metric_and_wall_time(
-    tmp_path, capsys, lightning_info
+    tmp_path, capsys, lightning_log
 ):
     cli = SparseCLI(
         args=[
@@ -70,7 +62,7 @@ def test_fit_ends_with_the_phases_final_sparsity_metric_and_wall_time(
         ]
     )
     assert cli.trainer.global_step == 10
-    summary = lightning_info.text.split("SparsityCallback 'sparsity' summary")[1]
+    summary = lightning_log.text.split("SparsityCallback 'sparsity' summary")[1]
     assert "steps 0-6: phase 1: 2:4 runtime" in summary  # round(0.7 * 10) = 7
     assert "steps 7-9: phase 2: dense" in summary
     assert "final sparsity: 0.0% over 2 parameters" in summary  # fc1 and fc2, now dense

@@ -3,8 +3,6 @@ the kernel path's control flow with a stand-in kernel, and the callback with a p
 
 from __future__ import annotations
 
-import logging
-
 import lightning as L
 import pytest
 import torch
@@ -234,12 +232,6 @@ def test_fit_start_table_says_where_each_layer_runs(monkeypatch, lightning_log):
     assert "masked/semi_structured" in fc1 and "CUTLASS, sm86, bfloat16" in fc1
     assert "70% has no sparse kernel" in fc1
     assert "cuSPARSELt, sm86, bfloat16" in fc2
-
-
-@pytest.fixture
-def lightning_log(caplog):
-    caplog.set_level(logging.INFO, logger="lightning.pytorch")
-    return caplog
 
 
 def test_semi_structured_without_a_gpu_lists_every_layer(lightning_log):
