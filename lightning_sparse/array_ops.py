@@ -20,12 +20,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from lightning_sparse import cpu_kernels
 
 CHUNK = 1 << 18
 """Elements per chunk on the CPU: 1 MiB of float32, which stays in the L2 cache with the bool
@@ -156,7 +158,8 @@ def multiply_by_mask_(tensor: Tensor, mask: Tensor) -> None:
 
 def zero_where_(tensor: Tensor, where: Tensor) -> None:
     """Set ``tensor`` to ``+0.0`` where the bool ``where`` is set, as ``masked_fill_(where, 0)``
-    does (bit for bit); on the CPU by clearing the bits of those entries.
+    does (bit for bit); on the CPU in one compiled loop (float32/64) or by clearing the bits
+    of those entries.
 
     >>> state = torch.tensor([-1.5, 2.0, -3.0])
     >>> zero_where_(state, torch.tensor([True, False, True]))
@@ -167,6 +170,9 @@ def zero_where_(tensor: Tensor, where: Tensor) -> None:
     if values is None or flags is None or not tensor.is_floating_point():
         tensor.masked_fill_(where, 0)
         return
+    if cpu_kernels.accepts(values):
+        cpu_kernels.zero_where(values.reshape(-1), flags.reshape(-1).view(np.uint8))
+        return
     bits = values.reshape(-1).view(_SAME_SIZE_INT[values.itemsize])
     flags = flags.reshape(-1)
     keep = np.empty(
@@ -176,6 +182,40 @@ def zero_where_(tensor: Tensor, where: Tensor) -> None:
         k = keep[: part.stop - part.start]
         np.subtract(flags[part].view(np.int8), 1, out=k)
         np.bitwise_and(bits[part], k, out=bits[part])
+
+
+def apply_mask_change_(
+    weight: Tensor, mask: Tensor, changed: Tensor, states: Sequence[Tensor]
+) -> None:
+    """Make an updated bool ``mask`` take effect where ``changed`` (bool) says it changed: there
+    ``weight *= mask`` (a dropped weight becomes a zero of its sign) and every tensor in
+    ``states`` (optimizer state shaped like ``weight``) becomes ``+0.0``. Bit for bit what
+    :func:`multiply_by_mask_` and :func:`zero_where_` write: by index where few entries
+    changed (under 1 in 64), else on the CPU in compiled loops
+    (:mod:`~lightning_sparse.cpu_kernels`).
+
+    >>> weight, momentum = torch.tensor([1.5, -2.0, 3.0]), torch.tensor([0.5, 0.25, 0.75])
+    >>> apply_mask_change_(weight, torch.tensor([True, False, True]),
+    ...                    torch.tensor([True, True, False]), [momentum])
+    >>> weight.tolist(), momentum.tolist()
+    ([1.5, -0.0, 3.0], [0.0, 0.0, 0.75])
+    """
+    if 64 * count_true(changed) < changed.numel() and weight.is_contiguous():
+        index = flat_nonzero(changed)  # a few entries: by index
+        values = weight.view(-1)
+        kept = mask.reshape(-1).index_select(0, index)
+        values.index_copy_(0, index, values.index_select(0, index) * kept)
+        for state in states:
+            state.view(-1).index_fill_(0, index, 0)
+        return
+    arrays = [numpy_view(t) for t in (weight, mask, changed)]
+    if any(a is None for a in arrays) or not cpu_kernels.accepts(arrays[0]):
+        multiply_by_mask_(weight, mask)
+    else:
+        values, *flags = (a.reshape(-1) for a in arrays)
+        cpu_kernels.multiply_where(values, *(f.view(np.uint8) for f in flags))
+    for state in states:
+        zero_where_(state, changed)
 
 
 def scratch_mask(numel: int, device: torch.device, slot: int = 0) -> Tensor:

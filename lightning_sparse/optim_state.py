@@ -24,24 +24,28 @@ from torch import Tensor
 from lightning_sparse.array_ops import zero_where_
 
 
-@torch.no_grad()
-def zero_optimizer_state(
-    optimizers: Iterable[torch.optim.Optimizer], param: Tensor, where: Tensor
-) -> None:
-    """Set every shape-matching state tensor of ``param`` to zero at the ``True`` entries of
-    ``where`` (a bool mask shaped like ``param``), or at the flat indices ``where`` holds (an
-    integer tensor: cheaper when few entries change)."""
+def state_tensors(
+    optimizers: Iterable[torch.optim.Optimizer], param: Tensor
+) -> list[Tensor]:
+    """Every floating-point state tensor shaped like ``param`` in ``optimizers`` (momentum,
+    moments, ...; not scalars such as ``step``)."""
+    found = []
     for optimizer in optimizers:
-        state = optimizer.state.get(param)
-        if not state:
-            continue
-        for value in state.values():
+        for value in optimizer.state.get(param, {}).values():
             if (
                 isinstance(value, Tensor)
                 and value.shape == param.shape
                 and value.is_floating_point()
             ):
-                if where.dtype == torch.bool:
-                    zero_where_(value, where)
-                else:
-                    value.view(-1).index_fill_(0, where, 0)
+                found.append(value)
+    return found
+
+
+@torch.no_grad()
+def zero_optimizer_state(
+    optimizers: Iterable[torch.optim.Optimizer], param: Tensor, where: Tensor
+) -> None:
+    """Set every state tensor of ``param`` (see :func:`state_tensors`) to zero at the ``True``
+    entries of ``where``, a bool mask shaped like ``param``."""
+    for value in state_tensors(optimizers, param):
+        zero_where_(value, where)

@@ -41,9 +41,8 @@ from lightning_sparse.algorithms import (
     build_algorithm,
 )
 from lightning_sparse.array_ops import (
+    apply_mask_change_,
     as_multiplier,
-    count_true,
-    flat_nonzero,
     free_scratch,
     multiply_by_mask_,
 )
@@ -64,7 +63,7 @@ from lightning_sparse.backends.semi_structured import (
 )
 from lightning_sparse.backends.speed import SpeedCheck
 from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
-from lightning_sparse.optim_state import zero_optimizer_state
+from lightning_sparse.optim_state import state_tensors, zero_optimizer_state
 from lightning_sparse.schedule import ResolvedPhase, phase_at
 from lightning_sparse.selection import ParamTarget
 from lightning_sparse.sharding import gather_full, shard_like
@@ -265,16 +264,10 @@ class Sparsifier:
             return
         weight = t.param.detach()
         if type(weight) is not torch.Tensor:  # sharded: this rank's part of the change
-            changed = shard_like(changed, t.param)
             multiply_by_mask_(weight, stored)
-        elif 64 * count_true(changed) < changed.numel() and weight.is_contiguous():
-            changed = flat_nonzero(changed)  # a few entries: by index
-            flat = weight.view(-1)
-            kept = stored.reshape(-1).index_select(0, changed)
-            flat.index_copy_(0, changed, flat.index_select(0, changed) * kept)
-        else:
-            multiply_by_mask_(weight, stored)
-        zero_optimizer_state(optimizers, t.param, changed)
+            zero_optimizer_state(optimizers, t.param, shard_like(changed, t.param))
+            return
+        apply_mask_change_(weight, stored, changed, state_tensors(optimizers, t.param))
 
     def _install_forward(
         self, t: ParamTarget, algo: SparsityAlgorithm, mask: Tensor

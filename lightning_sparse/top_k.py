@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_sparse import cpu_kernels
 from lightning_sparse.array_ops import (
     abs_into,
     backend,
@@ -178,6 +179,26 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
     if thresholds is None:
         return False
     inner, outer = thresholds
+    if xp is np and cpu_kernels.accepts(x):
+        n_sure, index, values = _kernel_pass(c, x, sure, eligible, inner, outer)
+    else:
+        n_sure, index, values = _chunked_pass(c, xp, x, sure, eligible, inner, outer)
+    missing = c.k - n_sure
+    if not 0 <= missing <= len(index):
+        return False
+    if missing == 0 or inner is not None and inner == outer:
+        sure[index[:missing]] = True  # (a band of equal values: the first ones)
+        return True
+    strict, ties = _first_k(xp, values, missing, c.largest)
+    sure[index] = strict  # band entries beyond the k-th value; the others stay unset
+    sure[index[ties]] = True
+    return True
+
+
+def _chunked_pass(c: _Choice, xp: ModuleType, x, sure, eligible, inner, outer):
+    """Marks the entries beyond ``inner`` in ``sure`` and lists the band (at or beyond
+    ``outer``, not beyond ``inner``), chunk by chunk with NumPy or torch ops: ``(count of
+    sure, band indices, band values)``."""
     beyond, beyond_or_at = (
         (xp.greater, xp.greater_equal) if c.largest else (xp.less, xp.less_equal)
     )
@@ -209,17 +230,29 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
         index = nonzero_of(xp, b)
         band_index.append(index + part.start)
         band_value.append(a[index])
-    missing = c.k - n_sure
-    index, values = xp.concatenate(band_index), xp.concatenate(band_value)
-    if not 0 <= missing <= len(index):
-        return False
-    if missing == 0 or inner is not None and inner == outer:
-        sure[index[:missing]] = True  # (a band of equal values: the first ones)
-        return True
-    strict, ties = _first_k(xp, values, missing, c.largest)
-    sure[index] = strict  # band entries beyond the k-th value; the others stay unset
-    sure[index[ties]] = True
-    return True
+    return n_sure, xp.concatenate(band_index), xp.concatenate(band_value)
+
+
+def _kernel_pass(c: _Choice, x: np.ndarray, sure: np.ndarray, eligible, inner, outer):
+    """:func:`_chunked_pass` in one compiled loop (see
+    :func:`~lightning_sparse.cpu_kernels.threshold_pass`) over float32/float64 NumPy arrays."""
+    if inner is None:  # nothing is beyond an infinite threshold (NaN never is)
+        inner = math.inf if c.largest else -math.inf
+    as_x = x.dtype.type  # the thresholds are values of x: exact in its dtype
+    flags = None if eligible is None else eligible.view(np.uint8)
+    args = (x, flags, int(c.keep_set), c.magnitude, c.largest, as_x(inner))
+    rest = (as_x(outer or 0.0), outer is not None, sure.view(np.uint8))
+    band = np.empty(c.n_eligible // 16 + cpu_kernels.BLOCK, dtype=np.int64)
+    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, *rest, band, 0, 0)
+    while stop < x.shape[0]:  # the band outgrew the buffer: go on with a longer one
+        band = np.concatenate([band[:n_band], np.empty_like(band)])
+        found, n_band, stop = cpu_kernels.threshold_pass(
+            *args, *rest, band, n_band, stop
+        )
+        n_sure += found
+    index = band[:n_band]
+    values = np.take(x, index)
+    return n_sure, index, np.abs(values, out=values) if c.magnitude else values
 
 
 def _first_k(xp: ModuleType, values, k: int, largest: bool):

@@ -1,12 +1,13 @@
-"""top_k_mask and the array operations under it: exact choices, ties by position, and the NumPy
-(CPU) and torch paths giving identical bits."""
+"""top_k_mask and the array operations under it: exact choices, ties by position, and the
+compiled (CPU float32/64), NumPy (CPU) and torch paths giving identical bits."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse import array_ops
+from lightning_sparse import array_ops, cpu_kernels
 from lightning_sparse.array_ops import (
     abs_into,
     count_true,
@@ -61,11 +62,13 @@ def path(request, monkeypatch):
     magnitude=st.booleans(),
     restrict=st.sampled_from([None, "among", "excluding"]),
     seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
 )
 def test_top_k_is_the_stable_sort_choice(
-    shape, kind, fraction, largest, magnitude, restrict, seed
+    shape, kind, fraction, largest, magnitude, restrict, seed, dtype
 ):
-    values = values_of(kind, shape, seed)
+    """float32/64 run the compiled pass on the CPU, float16 the NumPy one."""
+    values = values_of(kind, shape, seed).to(dtype)
     flags = torch.rand(shape, generator=torch.Generator().manual_seed(seed + 1)) < 0.4
     eligible = {None: torch.ones_like(flags), "among": flags, "excluding": ~flags}
     eligible = eligible[restrict]
@@ -94,6 +97,67 @@ def test_numpy_and_torch_paths_agree(kind, monkeypatch):
         )
     for numpy_run, torch_run in zip(*runs):
         assert torch.equal(numpy_run, torch_run)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["gaussian", "ties", "sorted", "nan"])
+def test_compiled_and_numpy_passes_agree(kind, dtype, monkeypatch):
+    """The compiled CPU pass (float32/64) marks exactly what the chunked NumPy pass marks, with
+    every restriction and direction, NaN included."""
+    values = values_of("gaussian" if kind == "nan" else kind, (3, 40_000), 7).to(dtype)
+    if kind == "nan":
+        values.view(-1)[::997] = float("nan")
+    flags = torch.rand(3, 40_000, generator=torch.Generator().manual_seed(8)) < 0.3
+    requests = [
+        {"k": 5000, "magnitude": True, "among": flags},
+        {"k": 30_000, "largest": False, "excluding": flags},
+        {"k": 60_000, "largest": False, "magnitude": True},
+        {"k": 1000},
+    ]
+    runs = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(cpu_kernels, "accepts", lambda *arrays: False)
+        runs.append([top_k_mask(values, **request) for request in requests])
+    for compiled_run, numpy_run in zip(*runs):
+        assert torch.equal(compiled_run, numpy_run)
+
+
+def test_threshold_pass_stops_where_the_band_outgrows_its_buffer():
+    x = np.repeat(
+        np.arange(100, dtype=np.float32), 100
+    )  # v fills x[100 v : 100 v + 100]
+    sure = np.empty(10_000, np.uint8)
+    args = (x, None, 1, False, True, 90.0, 80.0, True, sure)  # band: 80 <= x <= 90
+    block = cpu_kernels.BLOCK
+    short = np.empty(50, np.int64)
+    # the band (80..90: x[8000:9100]) starts in the block at 6144 and does not fit in 50
+    assert cpu_kernels.threshold_pass(*args, short, 0, 0) == (0, 0, 3 * block)
+    band = np.empty(2000, np.int64)
+    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, band, 0, 3 * block)
+    assert (n_sure, n_band, stop) == (900, 1100, 10_000)  # > 90: 9 values, 100 of each
+    assert band[:n_band].tolist() == list(range(8000, 9100))
+    assert np.array_equal(sure.astype(bool)[6144:], x[6144:] > 90)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+)
+@pytest.mark.parametrize("changed_fraction", [0.005, 0.3])
+def test_apply_mask_change_is_multiply_and_zero_bit_for_bit(dtype, changed_fraction):
+    """By index (few changes), compiled (float32/64), NumPy (float16) or torch (bfloat16):
+    the bits of multiplying the weight by the mask and zeroing the state where it changed."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(300, 500, generator=gen) < 0.5
+    changed = torch.rand(300, 500, generator=gen) < changed_fraction
+    old_mask = mask ^ changed
+    weight = (torch.randn(300, 500, generator=gen) * old_mask).to(dtype)
+    states = [torch.randn(300, 500, generator=gen).to(dtype) for _ in range(2)]
+    expected = [weight * mask] + [s.masked_fill(changed, 0) for s in states]
+    array_ops.apply_mask_change_(weight, mask, changed, states)
+    int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[weight.element_size()]
+    for got, want in zip([weight, *states], expected):
+        assert torch.equal(got.view(int_type), want.view(int_type))
 
 
 def test_out_and_known_count_and_bfloat16():
