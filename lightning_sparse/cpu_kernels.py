@@ -118,3 +118,95 @@ def zero_where(values, changed):
     """``values`` becomes ``+0.0`` where ``changed`` (uint8, as long) is set."""
     for j in range(changed.shape[0]):
         values[j] = 0 if changed[j] else values[j]
+
+
+_MIX = (
+    np.uint64(0x9E3779B97F4A7C15),
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x94D049BB133111EB),
+)
+
+
+@njit(cache=True, nogil=True)
+def uniform_bits(index, offset):
+    """53 uniform random bits from an index and a seed's ``offset`` (uint64): the bits of
+    :func:`~lightning_sparse.algorithms.nm_refill.uniform_bits` (SplitMix64's mixer)."""
+    x = np.uint64(index) * _MIX[0] + offset
+    x = (x ^ (x >> np.uint64(30))) * _MIX[1]
+    x = (x ^ (x >> np.uint64(27))) * _MIX[2]
+    x = x ^ (x >> np.uint64(31))
+    return x >> np.uint64(11)
+
+
+PAIR_COLUMNS = np.array([[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]])
+"""The 6 pairs of columns of a tile row, in the order of the tables' pair indices."""
+_NIBBLE = np.uint64(0x01020408)
+"""Multiplying 4 bytes of 0/1 (a uint32, little-endian) by this puts them as 4 bits at bit 24."""
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def refill_tiles(
+    survivors, grown, keys, magnitude, offset, codes, count, first, completions, pairs
+):
+    """Per 4x4 tile of a transposable 2:4 mask: the completion to regrow. ``survivors`` and
+    ``grown`` are bool masks seen as uint32 words of 4 flags, ``(rows, cols // 4)``;
+    ``grown`` holds the dropped entries (a tile with a single completion keeps them) and gets
+    the completions of the others. The completion with the largest total of float64 ``keys``
+    (``|keys|`` with ``magnitude``; 2-D like the mask) summed as the NumPy path sums them (the
+    pair of each row, then the rows in order), ties and NaN to the first as ``argmax`` takes
+    them; or, with ``keys`` ``None``, one drawn by :func:`uniform_bits` of the tile's index.
+    ``codes``/``count``/``first``/``completions``/``pairs`` are the tables of
+    :mod:`~lightning_sparse.algorithms.nm_refill` (``pairs``: ``completion_pairs``). Returns ``False`` (leaving ``grown`` partly
+    written) if a tile's survivors fit no pattern (little-endian machines only)."""
+    rows, per_row = survivors.shape
+    sums = np.empty(24)
+    for tile_row in range(rows // 4):
+        top = 4 * tile_row
+        for tile_col in range(per_row):
+            code = 0
+            for r in range(4):
+                word = np.uint64(survivors[top + r, tile_col])
+                nibble = ((word * _NIBBLE) >> np.uint64(24)) & np.uint64(0xF)
+                code |= np.int64(nibble) << (4 * r)
+            n = count[code]
+            if n == 0:
+                return False
+            if n == 1:
+                continue
+            start = first[code]
+            if keys is None:
+                bits = uniform_bits(tile_row * per_row + tile_col, offset)
+                pick = (bits * np.uint64(n)) >> np.uint64(53)
+                best = completions[start + np.int64(pick)]
+            else:
+                left = 4 * tile_col
+                for r in range(4):  # the sums of the 6 column pairs of each row
+                    k = keys[top + r, left : left + 4]
+                    for q in range(6):
+                        a, b = k[PAIR_COLUMNS[q, 0]], k[PAIR_COLUMNS[q, 1]]
+                        if magnitude:
+                            a, b = abs(a), abs(b)
+                        sums[6 * r + q] = np.float64(a) + np.float64(b)
+                best, best_total = -1, 0.0
+                for i in range(start, start + n):
+                    # completion i keeps pair pairs[i, r] - 6 * r of row r
+                    total = sums[pairs[i, 0]] + sums[pairs[i, 1]]
+                    total = total + sums[pairs[i, 2]] + sums[pairs[i, 3]]
+                    if (
+                        best < 0
+                        or total > best_total
+                        or (np.isnan(total) and not np.isnan(best_total))
+                    ):
+                        best, best_total = completions[i], total
+                    if np.isnan(best_total):
+                        break  # argmax takes the first NaN
+            added = codes[best] & ~code
+            for r in range(4):
+                nibble = (added >> (4 * r)) & 0xF  # its 4 bits as 4 bytes of 0/1
+                grown[top + r, tile_col] = np.uint32(
+                    (nibble & 1)
+                    | (nibble >> 1 & 1) << 8
+                    | (nibble >> 2 & 1) << 16
+                    | (nibble >> 3 & 1) << 24
+                )
+    return True

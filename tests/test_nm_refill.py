@@ -8,6 +8,7 @@ import torch
 
 from lightning_sparse import array_ops
 from lightning_sparse.algorithms.nm_refill import (
+    TileKeys,
     refill_groups,
     refill_tiles,
     tile_codes,
@@ -107,6 +108,33 @@ def test_tiles_at_random_are_valid_uniform_and_reproducible(path):
     assert len(seen) > 80, "uniform over the 90 patterns"
     again = [refill_tiles(ops, survivors, dropped, None, 5) for _ in range(2)]
     assert torch.equal(*again)
+
+
+@pytest.mark.parametrize("keys_kind", ["gaussian", "ties", "nan", "random"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_tiles_choose_what_the_array_ops_choose(keys_kind, dtype, monkeypatch):
+    """On the CPU, :class:`TileKeys` and random refills run a compiled loop over the tiles; it
+    regrows exactly what the NumPy (keys: any callable) and torch (random) paths regrow."""
+    shape = (64, 96)
+    mask = optimal_transposable_2to4_mask(
+        torch.rand(shape, generator=torch.Generator().manual_seed(1))
+    )
+    dropped = dropped_from(mask, 0.5, 2)
+    survivors = mask & ~dropped
+    ops = ops_for(survivors)
+    if keys_kind == "random":
+        compiled = refill_tiles(ops, survivors, dropped, None, seed=7)
+        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+        expected = refill_tiles(ops_for(survivors), survivors, dropped, None, seed=7)
+    else:
+        values = keys_of(shape, keys_kind == "ties", 3).to(dtype) - 0.5
+        if keys_kind == "nan":
+            values.view(-1)[::37] = float("nan")
+        keys = TileKeys(ops, ops.array(values), magnitude=True)
+        compiled = refill_tiles(ops, survivors, dropped, keys)
+        expected = refill_tiles(ops, survivors, dropped, lambda index: keys(index))
+    assert is_transposable_2to4(survivors | compiled)
+    assert torch.equal(compiled, expected)
 
 
 def test_tiles_refuse_a_mask_that_was_not_transposable():

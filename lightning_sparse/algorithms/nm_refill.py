@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_sparse import cpu_kernels
 from lightning_sparse.array_ops import Ops
 from lightning_sparse.masks import NM
 from lightning_sparse.tile_masks import _patterns_cpu
@@ -49,7 +50,29 @@ Keys = Callable[[object], object]
 """Given ascending group (or tile) indices, the keys of their positions: ``(len, M)`` for groups,
 ``(len, 16)`` (row-major within the tile) for tiles; the highest keys regrow."""
 
-_PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+_PAIRS = tuple(tuple(pair) for pair in cpu_kernels.PAIR_COLUMNS.tolist())
+"""The 6 pairs of columns a row of a 2:4 tile may keep."""
+
+
+@dataclass(frozen=True)
+class TileKeys:
+    """:data:`Keys` for :func:`refill_tiles` read from an array laid out like the weight:
+    ``values`` (2-D, NumPy or torch; ``|values|`` with ``magnitude``). On the CPU the compiled
+    refill reads them in place."""
+
+    ops: Ops
+    values: object
+    magnitude: bool = False
+
+    def __call__(self, index):
+        cols = self.values.shape[1]
+        tile_rows = self.values.reshape(-1, 4)  # a tile row's 4 keys
+        per_row = cols // 4
+        # tile t covers tile rows (4 * (t // per_row) + r) * per_row + t % per_row
+        first = 4 * (index // per_row) * per_row + index % per_row
+        where = first[:, None] + per_row * self.ops.arange(4)
+        chosen = self.ops.take_rows(tile_rows, where.reshape(-1)).reshape(-1, 16)
+        return self.ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
 
 
 def refill_groups(
@@ -210,6 +233,10 @@ def refill_tiles(
     if sys.byteorder != "little":
         return None
     tables = _tile_tables(ops)
+    if ops.xp is np and (
+        keys is None or isinstance(keys, TileKeys) and cpu_kernels.accepts(keys.values)
+    ):
+        return _refill_tiles_compiled(ops, survivors, dropped, keys, seed, out, tables)
     rows, cols = survivors.shape
     per_row = cols // 4
     band = max(1, CHUNK_GROUPS // per_row)  # tile rows worked on at once
@@ -241,13 +268,48 @@ def refill_tiles(
     return grown
 
 
+def _refill_tiles_compiled(
+    ops: Ops,
+    survivors: Tensor,
+    dropped: Tensor,
+    keys: TileKeys | None,
+    seed: int,
+    out: Tensor | None,
+    tables: _TileTables,
+) -> Tensor | None:
+    """:func:`refill_tiles` in one compiled loop over the tiles (the same choices, see
+    :func:`~lightning_sparse.cpu_kernels.refill_tiles`)."""
+    grown = dropped.clone() if out is None else out.view(dropped.shape).copy_(dropped)
+    flags = [ops.array(t).view(np.uint32) for t in (survivors, grown)]
+    values = None if keys is None else keys.values
+    magnitude = keys is not None and keys.magnitude
+    tables_in_order = (
+        tables.codes,
+        tables.count,
+        tables.first,
+        tables.completions,
+        tables.completion_pairs,
+    )
+    done = cpu_kernels.refill_tiles(
+        *flags,
+        values,
+        magnitude,
+        np.uint64(_seed_offset(seed)),
+        *tables_in_order,
+    )
+    return grown if done else None
+
+
+def _seed_offset(seed: int) -> int:
+    """What :func:`uniform_bits` adds for ``seed`` (as an unsigned 64-bit value)."""
+    return (seed * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) % (1 << 64)
+
+
 def uniform_bits(ops: Ops, index, seed: int):
     """53 uniform random bits (int64) per entry of ``index``, a hash of ``(seed, index)``: the
     same on every device and however the indices are split (SplitMix64's mixer, with the
     shifts masked so that arithmetic and logical shifts agree)."""
-    x = ops.to_int64(index) * _signed(0x9E3779B97F4A7C15) + _signed(
-        (seed * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) % (1 << 64)
-    )
+    x = ops.to_int64(index) * _signed(0x9E3779B97F4A7C15) + _signed(_seed_offset(seed))
     x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
     x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
     x = x ^ ((x >> 31) & ((1 << 33) - 1))

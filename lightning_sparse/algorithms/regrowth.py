@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_sparse.algorithms.nm_refill import (
     Keys,
+    TileKeys,
     refill_groups,
     refill_tiles,
     uniform_bits,
@@ -119,18 +120,7 @@ class ByScore(Regrowth):
         return keys
 
     def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
-        cols = survivors.shape[1]
-        tile_rows = ops.array(self.score.detach()).reshape(-1, 4)  # a tile row's 4 keys
-        per_row = cols // 4
-
-        def keys(index):
-            # tile t covers tile rows (4 * (t // per_row) + r) * per_row + t % per_row
-            first = 4 * (index // per_row) * per_row + index % per_row
-            where = first[:, None] + per_row * ops.arange(4)
-            chosen = ops.take_rows(tile_rows, where.reshape(-1)).reshape(-1, 16)
-            return ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
-
-        return keys, 0
+        return TileKeys(ops, ops.array(self.score.detach()), self.magnitude), 0
 
 
 class AtRandom(Regrowth):
