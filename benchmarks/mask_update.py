@@ -190,7 +190,7 @@ def main() -> None:
                 name,
                 f"{plain * 1e3:.0f}",
                 f"{cost * 1e3:.0f}",
-                f"{median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})",
+                f"{median(ratios):.2f}x ({ratios[0]:.2f} to {ratios[-1]:.2f})",
                 start,
             ]
         )
