@@ -1,17 +1,20 @@
-"""Fused CPU loops for the two passes a mask update makes over every weight, compiled by Numba.
+"""CPU loops of mask updates, compiled by Numba: fewer passes over each weight than NumPy ops.
 
 NumPy runs one operation over a whole array at a time, so a pass that takes ``|x|``, compares it
 with two thresholds, combines the results with an eligibility mask and lists the entries in
 between runs 8 loops, each streaming its operands through the cache. :func:`threshold_pass` does
 all of that in one vectorized loop per block of :data:`BLOCK` entries (and lists the few band
-entries of a block from a word-wise scan), about 3x faster on a large float32 tensor;
+entries of a block from a word-wise scan), about 3x faster on a large float32 tensor.
 :func:`multiply_where` and :func:`zero_where` zero dropped weights and the optimizer state of
-changed entries in one vectorized loop per tensor instead of three NumPy passes. Both give the bits their NumPy counterparts give (see
-:mod:`~lightning_sparse.top_k` and :func:`~lightning_sparse.array_ops.apply_mask_change_`).
+changed entries in one vectorized loop per tensor. :func:`refill_tiles` refills a transposable
+2:4 mask in one loop over its 4x4 tiles. Each gives the bits its NumPy counterpart gives (see
+:mod:`~lightning_sparse.top_k`, :func:`~lightning_sparse.array_ops.apply_mask_change_` and
+:func:`~lightning_sparse.algorithms.nm_refill.refill_tiles`).
 
 They take NumPy arrays of float32 or float64 (:func:`accepts`), with bool masks viewed as
-``uint8``; the first call for a dtype compiles (about a second) and caches the machine code next
-to this file, or in Numba's user cache directory when that is read-only.
+``uint8`` (or ``uint32`` words); the first call for a signature compiles (under a second) and
+caches the machine code next to this file, or in Numba's user cache directory when that is
+read-only.
 
 Example:
     >>> import numpy as np
