@@ -123,11 +123,9 @@ def zero_where(values, changed):
         values[j] = 0 if changed[j] else values[j]
 
 
-_MIX = (
-    np.uint64(0x9E3779B97F4A7C15),
-    np.uint64(0xBF58476D1CE4E5B9),
-    np.uint64(0x94D049BB133111EB),
-)
+SPLITMIX64 = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+"""SplitMix64's increment and its mixer's two multipliers (also used by the array-op path)."""
+_MIX = tuple(np.uint64(c) for c in SPLITMIX64)
 
 
 @njit(cache=True, nogil=True)
@@ -159,8 +157,9 @@ def refill_tiles(
     pair of each row, then the rows in order), ties and NaN to the first as ``argmax`` takes
     them; or, with ``keys`` ``None``, one drawn by :func:`uniform_bits` of the tile's index.
     ``codes``/``count``/``first``/``completions``/``pairs`` are the tables of
-    :mod:`~lightning_sparse.algorithms.nm_refill` (``pairs``: ``completion_pairs``). Returns ``False`` (leaving ``grown`` partly
-    written) if a tile's survivors fit no pattern (little-endian machines only)."""
+    :mod:`~lightning_sparse.algorithms.nm_refill` (``pairs``: ``completion_pairs``). Returns
+    ``False`` (leaving ``grown`` partly written) if a tile's survivors fit no pattern
+    (little-endian machines only)."""
     rows, per_row = survivors.shape
     sums = np.empty(24)
     for tile_row in range(rows // 4):

@@ -241,7 +241,8 @@ def _kernel_pass(c: _Choice, x: np.ndarray, sure: np.ndarray, eligible, inner, o
     as_x = x.dtype.type  # the thresholds are values of x: exact in its dtype
     flags = None if eligible is None else eligible.view(np.uint8)
     args = (x, flags, int(c.keep_set), c.magnitude, c.largest, as_x(inner))
-    rest = (as_x(outer or 0.0), outer is not None, sure.view(np.uint8))
+    has_outer = outer is not None
+    rest = (as_x(outer if has_outer else 0.0), has_outer, sure.view(np.uint8))
     band = np.empty(c.n_eligible // 16 + cpu_kernels.BLOCK, dtype=np.int64)
     n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, *rest, band, 0, 0)
     while stop < x.shape[0]:  # the band outgrew the buffer: go on with a longer one

@@ -283,19 +283,16 @@ def _refill_tiles_compiled(
     flags = [ops.array(t).view(np.uint32) for t in (survivors, grown)]
     values = None if keys is None else keys.values
     magnitude = keys is not None and keys.magnitude
-    tables_in_order = (
-        tables.codes,
-        tables.count,
-        tables.first,
-        tables.completions,
-        tables.completion_pairs,
-    )
     done = cpu_kernels.refill_tiles(
         *flags,
         values,
         magnitude,
         np.uint64(_seed_offset(seed)),
-        *tables_in_order,
+        tables.codes,
+        tables.count,
+        tables.first,
+        tables.completions,
+        tables.completion_pairs,
     )
     return grown if done else None
 
@@ -309,9 +306,10 @@ def uniform_bits(ops: Ops, index, seed: int):
     """53 uniform random bits (int64) per entry of ``index``, a hash of ``(seed, index)``: the
     same on every device and however the indices are split (SplitMix64's mixer, with the
     shifts masked so that arithmetic and logical shifts agree)."""
-    x = ops.to_int64(index) * _signed(0x9E3779B97F4A7C15) + _signed(_seed_offset(seed))
-    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
-    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
+    increment, first, second = (_signed(c) for c in cpu_kernels.SPLITMIX64)
+    x = ops.to_int64(index) * increment + _signed(_seed_offset(seed))
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * first
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * second
     x = x ^ ((x >> 31) & ((1 << 33) - 1))
     return (x >> 11) & ((1 << 53) - 1)
 
