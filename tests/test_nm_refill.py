@@ -8,6 +8,7 @@ import torch
 
 from lightning_sparse import array_ops
 from lightning_sparse.algorithms.nm_refill import (
+    GroupKeys,
     TileKeys,
     refill_groups,
     refill_tiles,
@@ -45,6 +46,22 @@ def keys_of(shape, ties, seed):
     if ties:  # few distinct values: exact ties between completions
         return torch.randint(0, 3, shape, generator=gen).float()
     return torch.rand(shape, generator=gen)
+
+
+def on_both_paths(refill, key_array, survivors, keys_kind, dtype, monkeypatch):
+    """``refill(ops, keys, seed)`` through the compiled CPU loop and through the array ops
+    (keys: ``key_array(ops, values)`` of ``keys_kind`` values shaped like ``survivors``, then
+    the same keys as a plain callable on the NumPy path; random: on the torch path)."""
+    ops = ops_for(survivors)
+    if keys_kind == "random":
+        compiled = refill(ops, None, 7)
+        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+        return compiled, refill(ops_for(survivors), None, 7)
+    values = keys_of(survivors.shape, keys_kind == "ties", 3).to(dtype) - 0.5
+    if keys_kind == "nan":
+        values.view(-1)[::7] = float("nan")
+    keys = key_array(ops, ops.array(values))
+    return refill(ops, keys, 0), refill(ops, lambda index: keys(index), 0)
 
 
 def best_tile(survivor_code, keys):
@@ -121,18 +138,14 @@ def test_compiled_tiles_choose_what_the_array_ops_choose(keys_kind, dtype, monke
     )
     dropped = dropped_from(mask, 0.5, 2)
     survivors = mask & ~dropped
-    ops = ops_for(survivors)
-    if keys_kind == "random":
-        compiled = refill_tiles(ops, survivors, dropped, None, seed=7)
-        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
-        expected = refill_tiles(ops_for(survivors), survivors, dropped, None, seed=7)
-    else:
-        values = keys_of(shape, keys_kind == "ties", 3).to(dtype) - 0.5
-        if keys_kind == "nan":
-            values.view(-1)[::37] = float("nan")
-        keys = TileKeys(ops, ops.array(values), magnitude=True)
-        compiled = refill_tiles(ops, survivors, dropped, keys)
-        expected = refill_tiles(ops, survivors, dropped, lambda index: keys(index))
+    compiled, expected = on_both_paths(
+        lambda ops, keys, seed: refill_tiles(ops, survivors, dropped, keys, seed),
+        lambda ops, values: TileKeys(ops, values, magnitude=True),
+        survivors,
+        keys_kind,
+        dtype,
+        monkeypatch,
+    )
     assert is_transposable_2to4(survivors | compiled)
     assert torch.equal(compiled, expected)
 
@@ -145,21 +158,26 @@ def test_tiles_refuse_a_mask_that_was_not_transposable():
 
 
 @pytest.mark.parametrize("target", [NM(2, 4), NM(1, 4), NM(4, 8), NM(3, 16)])
-@pytest.mark.parametrize("ties", [False, True])
-def test_groups_keep_survivors_and_take_the_best_free_positions(path, target, ties):
+@pytest.mark.parametrize("keys_kind", ["distinct", "ties", "nan"])
+def test_groups_keep_survivors_and_take_the_best_free_positions(
+    path, target, keys_kind
+):
     shape = (6, 4 * target.m)
     mask = topk_mask(
         torch.rand(shape, generator=torch.Generator().manual_seed(5)), target
     )
     survivors = mask & ~dropped_from(mask, 0.6, 6)
-    keys = keys_of(shape, ties, 7)
+    keys = keys_of(shape, keys_kind == "ties", 7)
+    if keys_kind == "nan":  # NaN counts as -inf: still exactly n per group
+        keys.view(-1)[::3] = float("nan")
     ops = ops_for(survivors, keys)
     groups = ops.array(keys).reshape(-1, target.m)
     grown = refill_groups(ops, survivors, target, lambda index: groups[index])
     new = (survivors | grown).view(-1, target.m)
     assert bool((new.sum(1) == target.n).all()) and not bool((grown & survivors).any())
+    ranked = keys.nan_to_num(nan=-float("inf"))
     for g, (kept, key) in enumerate(
-        zip(survivors.view(-1, target.m), keys.view(-1, target.m))
+        zip(survivors.view(-1, target.m), ranked.view(-1, target.m))
     ):
         free = [p for p in range(target.m) if not kept[p]]
         free.sort(key=lambda p: (-float(key[p]), p))
@@ -167,3 +185,29 @@ def test_groups_keep_survivors_and_take_the_best_free_positions(path, target, ti
         assert {
             p for p in range(target.m) if grown.view(-1, target.m)[g, p]
         } == expected
+
+
+@pytest.mark.parametrize("target", [NM(2, 4), NM(1, 4), NM(4, 8), NM(1, 2), NM(3, 6)])
+@pytest.mark.parametrize("keys_kind", ["gaussian", "ties", "nan", "random"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_groups_choose_what_the_array_ops_choose(
+    target, keys_kind, dtype, monkeypatch
+):
+    """On the CPU, :class:`GroupKeys` and random refills of groups up to 8 run a compiled
+    loop; it regrows exactly what the NumPy (keys: any callable) and torch (random) paths do."""
+    shape = (50, 6 * target.m)  # 300 groups
+    mask = topk_mask(
+        torch.rand(shape, generator=torch.Generator().manual_seed(5)), target
+    )
+    survivors = mask & ~dropped_from(mask, 0.6, 6)
+    compiled, expected = on_both_paths(
+        lambda ops, keys, seed: refill_groups(ops, survivors, target, keys, seed),
+        lambda ops, values: GroupKeys(ops, values, target.m, magnitude=True),
+        survivors,
+        keys_kind,
+        dtype,
+        monkeypatch,
+    )
+    new = (survivors | compiled).view(-1, target.m)
+    assert bool((new.sum(1) == target.n).all())
+    assert torch.equal(compiled, expected)

@@ -4,7 +4,7 @@ After the drop of a drop-and-grow update, every group of M along the input dimen
 4x4 tile of a transposable 2:4 weight) that lost weights regrows as many:
 
 - row-wise N:M (:func:`refill_groups`): the group keeps its survivors and takes the free
-  positions with the highest keys, ties to the lower position;
+  positions with the highest keys, ties to the lower position (a NaN key counts as ``-inf``);
 - transposable 2:4 (:func:`refill_tiles`): the tile becomes, among the 90 patterns with exactly
   2 per row and per column that contain its survivors, the one whose added positions have the
   largest total key (summed in float64: exact unless the keys of a tile span more than 2**29),
@@ -75,18 +75,58 @@ class TileKeys:
         return self.ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
 
 
+@dataclass(frozen=True)
+class GroupKeys:
+    """:data:`Keys` for :func:`refill_groups` read from an array laid out like the weight:
+    ``values`` (NumPy or torch, groups of ``m`` along the last axis; ``|values|`` with
+    ``magnitude``). On the CPU the compiled refill reads them in place."""
+
+    ops: Ops
+    values: object
+    m: int
+    magnitude: bool = False
+
+    def __call__(self, index):
+        chosen = self.ops.take_rows(self.values.reshape(-1, self.m), index)  # a copy
+        return self.ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
+
+
 def refill_groups(
-    ops: Ops, survivors: Tensor, target: NM, keys: Keys, out: Tensor | None = None
+    ops: Ops,
+    survivors: Tensor,
+    target: NM,
+    keys: Keys | None,
+    seed: int = 0,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The positions to regrow so that every group of ``target.m`` along the last axis of
     ``survivors`` (viewed as ``(out, -1)``) holds ``target.n`` again: in each group that lost
-    some, the free positions with the highest ``keys`` (ties: the lower position). Returns a
-    bool tensor shaped like ``survivors`` (``out``, if given)."""
+    some, the free positions with the highest ``keys`` (ties: the lower position; NaN counts
+    as ``-inf``), or with
+    ``keys`` ``None`` the highest :func:`uniform_bits` of ``seed`` and the flat position.
+    Returns a bool tensor shaped like ``survivors`` (``out``, if given)."""
     n, m = target.n, target.m
     grown_tensor = torch.empty_like(survivors) if out is None else out
     grown = ops.array(grown_tensor).reshape(-1, m)
-    grown[...] = False
     groups = ops.array(survivors).reshape(-1, m)
+    if (
+        ops.xp is np
+        and m <= _MAX_RANKED
+        and (
+            keys is None
+            or isinstance(keys, GroupKeys)
+            and cpu_kernels.accepts(keys.values)
+        )
+    ):
+        values = None if keys is None else keys.values.reshape(-1, m)
+        magnitude = keys is not None and keys.magnitude
+        offset = np.uint64(_seed_offset(seed))
+        flags = (groups.view(np.uint8), grown.view(np.uint8))
+        cpu_kernels.refill_groups(*flags, n, values, magnitude, offset)
+        return grown_tensor.view(survivors.shape)
+    if keys is None:
+        keys = functools.partial(_random_group_keys, ops, m, seed)
+    grown[...] = False
     word = _WORDS.get(m) if ops.xp is np else None
     for start in range(0, len(groups), CHUNK_GROUPS):  # temporaries stay small
         part = groups[start : start + CHUNK_GROUPS]
@@ -96,6 +136,7 @@ def refill_groups(
         kept = ops.take_rows(part, short)
         short = short + start
         scores = keys(short)
+        scores[ops.xp.isnan(scores)] = -float("inf")  # NaN last: ranks stay an order
         scores[kept] = float("inf")  # survivors come first
         chosen = _top_n_per_row(ops, scores, n) & ~kept
         if word is not None:  # a group's flags as one machine word: a cheaper scatter
@@ -103,6 +144,11 @@ def refill_groups(
         else:
             grown[short] = chosen
     return grown_tensor.view(survivors.shape)
+
+
+def _random_group_keys(ops: Ops, m: int, seed: int, index):
+    """Random :data:`Keys` of groups: the :func:`uniform_bits` of their flat positions."""
+    return ops.to_float64(uniform_bits(ops, index[:, None] * m + ops.arange(m), seed))
 
 
 CHUNK_GROUPS = 1 << 14
@@ -118,11 +164,15 @@ def _group_counts(ops: Ops, groups):
     return groups.sum(1)
 
 
+_MAX_RANKED = 8
+"""Up to this group size, groups are ranked by pairwise comparisons (beyond it, sorted)."""
+
+
 def _top_n_per_row(ops: Ops, scores, n: int):
     """Per row of ``scores``, the ``n`` highest (ties: the lower column), as a bool mask."""
     rows, m = scores.shape
     xp = ops.xp
-    if m > 8:
+    if m > _MAX_RANKED:
         order = xp.argsort(-scores, axis=1, kind="stable") if xp is np else None
         if order is None:
             order = torch.sort(scores, dim=1, descending=True, stable=True).indices

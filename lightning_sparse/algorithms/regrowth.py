@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.algorithms.nm_refill import (
+    GroupKeys,
     Keys,
     TileKeys,
     refill_groups,
     refill_tiles,
-    uniform_bits,
 )
 from lightning_sparse.array_ops import Ops, ops_for
 from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
@@ -61,11 +61,11 @@ class Regrowth:
         grown = None
         ops = ops_for(survivors, *self._values())
         if layout == "tiles":  # None if the mask was not transposable
-            keys, seed = self._tile_keys(ops, survivors)
+            keys, seed = self._tile_keys(ops)
             grown = refill_tiles(ops, survivors, dropped, keys, seed, out=out)
         elif layout == "groups":
-            keys = self._group_keys(ops, survivors, target)
-            grown = refill_groups(ops, survivors, target, keys, out=out)
+            keys, seed = self._group_keys(ops, target)
+            grown = refill_groups(ops, survivors, target, keys, seed, out=out)
         if grown is None:
             scores = self._scores(survivors)
             low, high = torch.aminmax(scores)
@@ -83,10 +83,12 @@ class Regrowth:
         """A score for every entry (a custom ``select`` ranks the whole tensor)."""
         raise NotImplementedError
 
-    def _group_keys(self, ops: Ops, survivors: Tensor, target: NM) -> Keys:
+    def _group_keys(self, ops: Ops, target: NM) -> tuple[Keys | None, int]:
+        """The keys of :func:`refill_groups` (``None``: random) and its seed."""
         raise NotImplementedError
 
-    def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
+    def _tile_keys(self, ops: Ops) -> tuple[Keys | None, int]:
+        """The keys of :func:`refill_tiles` (``None``: random) and its seed."""
         raise NotImplementedError
 
 
@@ -110,16 +112,11 @@ class ByScore(Regrowth):
         scores = self.score.reshape(like.shape)
         return scores.abs() if self.magnitude else scores
 
-    def _group_keys(self, ops: Ops, survivors: Tensor, target: NM) -> Keys:
-        groups = ops.array(self.score.detach()).reshape(-1, target.m)
+    def _group_keys(self, ops: Ops, target: NM) -> tuple[Keys | None, int]:
+        values = ops.array(self.score.detach())
+        return GroupKeys(ops, values, target.m, self.magnitude), 0
 
-        def keys(index):
-            chosen = ops.take_rows(groups, index)  # a copy: free to change in place
-            return ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
-
-        return keys
-
-    def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
+    def _tile_keys(self, ops: Ops) -> tuple[Keys | None, int]:
         return TileKeys(ops, ops.array(self.score.detach()), self.magnitude), 0
 
 
@@ -135,14 +132,10 @@ class AtRandom(Regrowth):
     def _scores(self, like: Tensor) -> Tensor:
         return random_score(like, self.seed)
 
-    def _group_keys(self, ops: Ops, survivors: Tensor, target: NM) -> Keys:
-        # a hash of (seed, position) per position: the same however the groups are split
-        cells = ops.arange(target.m)
-        return lambda index: ops.to_float64(
-            uniform_bits(ops, index[:, None] * target.m + cells, self.seed)
-        )
+    def _group_keys(self, ops: Ops, target: NM) -> tuple[Keys | None, int]:
+        return None, self.seed  # a hash of (seed, position): however groups are split
 
-    def _tile_keys(self, ops: Ops, survivors: Tensor) -> tuple[Keys | None, int]:
+    def _tile_keys(self, ops: Ops) -> tuple[Keys | None, int]:
         return None, self.seed
 
 
