@@ -206,18 +206,20 @@ def refill_tiles(
     survivors, grown, keys, magnitude, offset, codes, count, first, completions, pairs
 ):
     """Per 4x4 tile of a transposable 2:4 mask: the completion to regrow. ``survivors`` and
-    ``grown`` are bool masks seen as uint32 words of 4 flags, ``(rows, cols // 4)``;
-    ``grown`` holds the dropped entries (a tile with a single completion keeps them) and gets
-    the completions of the others. The completion with the largest total of float64 ``keys``
-    (``|keys|`` with ``magnitude``; 2-D like the mask) summed as the NumPy path sums them (the
-    pair of each row, then the rows in order), ties and NaN to the first as ``argmax`` takes
-    them; or, with ``keys`` ``None``, one drawn by :func:`uniform_bits` of the tile's index.
+    ``grown`` are bool masks seen as uint32 words of 4 flags, ``(rows, cols // 4)``; every
+    tile of ``grown`` is written (a tile with a single completion regrows what it dropped).
+    The completion with the largest total of float64 ``keys`` (``|keys|`` with
+    ``magnitude``; 2-D like the mask) summed as the NumPy path sums them (the pair of each
+    row, then the rows in order), ties and NaN to the first as ``argmax`` takes them; or, with
+    ``keys`` ``None``, one drawn by :func:`uniform_bits` of the tile's index.
     ``codes``/``count``/``first``/``completions``/``pairs`` are the tables of
-    :mod:`~lightning_sparse.algorithms.nm_refill` (``pairs``: ``completion_pairs``). Returns
-    ``False`` (leaving ``grown`` partly written) if a tile's survivors fit no pattern
-    (little-endian machines only)."""
+    :mod:`~lightning_sparse.algorithms.nm_refill` (``pairs``: ``completion_pairs``; any
+    integer dtypes). Returns ``False`` (leaving ``grown`` partly written) if a tile's
+    survivors fit no pattern (little-endian machines only)."""
     rows, per_row = survivors.shape
     sums = np.empty(24)
+    # (no branch on a single completion: it is as often taken as not, and a mispredicted
+    # branch costs more than evaluating the one completion)
     for tile_row in range(rows // 4):
         top = 4 * tile_row
         for tile_col in range(per_row):
@@ -226,18 +228,16 @@ def refill_tiles(
                 word = np.uint64(survivors[top + r, tile_col])
                 nibble = ((word * _NIBBLE) >> np.uint64(24)) & np.uint64(0xF)
                 code |= np.int64(nibble) << (4 * r)
-            n = count[code]
+            n = np.int64(count[code])
             if n == 0:
                 return False
-            if n == 1:
-                continue
-            start = first[code]
+            start = np.int64(first[code])
             if keys is None:
                 bits = uniform_bits(tile_row * per_row + tile_col, offset)
-                pick = (bits * np.uint64(n)) >> np.uint64(53)
-                best = completions[start + np.int64(pick)]
+                best = start + np.int64((bits * np.uint64(n)) >> np.uint64(53))
             else:
                 left = 4 * tile_col
+                check = 0.0
                 for r in range(4):  # the sums of the 6 column pairs of each row
                     k = keys[top + r, left : left + 4]
                     for q in range(6):
@@ -245,20 +245,12 @@ def refill_tiles(
                         if magnitude:
                             a, b = abs(a), abs(b)
                         sums[6 * r + q] = np.float64(a) + np.float64(b)
-                best, best_total = -1, 0.0
-                for i in range(start, start + n):
-                    # completion i keeps pair pairs[i, r] - 6 * r of row r
-                    total = sums[pairs[i, 0]] + sums[pairs[i, 1]]
-                    total = total + sums[pairs[i, 2]] + sums[pairs[i, 3]]
-                    if (
-                        best < 0
-                        or total > best_total
-                        or (np.isnan(total) and not np.isnan(best_total))
-                    ):
-                        best, best_total = completions[i], total
-                    if np.isnan(best_total):
-                        break  # argmax takes the first NaN
-            added = codes[best] & ~code
+                    check += sums[6 * r] + sums[6 * r + 5]  # NaN if a key of the row is
+                if np.isnan(check):
+                    best = _first_best_or_nan(sums, start, n, pairs)
+                else:
+                    best = _first_best(sums, start, n, pairs)
+            added = codes[completions[best]] & ~code
             for r in range(4):
                 nibble = (added >> (4 * r)) & 0xF  # its 4 bits as 4 bytes of 0/1
                 grown[top + r, tile_col] = np.uint32(
@@ -268,3 +260,36 @@ def refill_tiles(
                     | (nibble >> 3 & 1) << 24
                 )
     return True
+
+
+@njit(inline="always", boundscheck=False)
+def _total(sums, pairs, i):
+    """Completion ``i``'s total: it keeps pair ``pairs[i, r] - 6 * r`` of row ``r``."""
+    total = sums[pairs[i, 0]] + sums[pairs[i, 1]]
+    return total + sums[pairs[i, 2]] + sums[pairs[i, 3]]
+
+
+@njit(inline="always", boundscheck=False)
+def _first_best(sums, start, n, pairs):
+    """The first of completions ``start, ..., start + n - 1`` with the largest total (no NaN
+    among the sums), chosen by selects: which one wins is unpredictable."""
+    best, best_total = start, _total(sums, pairs, start)
+    for i in range(start + 1, start + n):
+        total = _total(sums, pairs, i)
+        better = total > best_total
+        best = i if better else best
+        best_total = total if better else best_total
+    return best
+
+
+@njit(boundscheck=False)
+def _first_best_or_nan(sums, start, n, pairs):
+    """:func:`_first_best` as ``argmax`` takes it when NaN may occur: the first NaN total."""
+    best, best_total = start, _total(sums, pairs, start)
+    for i in range(start + 1, start + n):
+        if np.isnan(best_total):
+            break
+        total = _total(sums, pairs, i)
+        if total > best_total or np.isnan(total):
+            best, best_total = i, total
+    return best

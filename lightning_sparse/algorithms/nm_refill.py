@@ -282,11 +282,11 @@ def refill_tiles(
     ``None`` if some tile's survivors fit no pattern (a mask that was not transposable)."""
     if sys.byteorder != "little":
         return None
-    tables = _tile_tables(ops)
     if ops.xp is np and (
         keys is None or isinstance(keys, TileKeys) and cpu_kernels.accepts(keys.values)
     ):
-        return _refill_tiles_compiled(ops, survivors, dropped, keys, seed, out, tables)
+        return _refill_tiles_compiled(ops, survivors, keys, seed, out)
+    tables = _tile_tables(ops)
     rows, cols = survivors.shape
     per_row = cols // 4
     band = max(1, CHUNK_GROUPS // per_row)  # tile rows worked on at once
@@ -319,32 +319,32 @@ def refill_tiles(
 
 
 def _refill_tiles_compiled(
-    ops: Ops,
-    survivors: Tensor,
-    dropped: Tensor,
-    keys: TileKeys | None,
-    seed: int,
-    out: Tensor | None,
-    tables: _TileTables,
+    ops: Ops, survivors: Tensor, keys: TileKeys | None, seed: int, out: Tensor | None
 ) -> Tensor | None:
     """:func:`refill_tiles` in one compiled loop over the tiles (the same choices, see
     :func:`~lightning_sparse.cpu_kernels.refill_tiles`)."""
-    grown = dropped.clone() if out is None else out.view(dropped.shape).copy_(dropped)
+    grown = torch.empty_like(survivors) if out is None else out.view(survivors.shape)
     flags = [ops.array(t).view(np.uint32) for t in (survivors, grown)]
     values = None if keys is None else keys.values
     magnitude = keys is not None and keys.magnitude
-    done = cpu_kernels.refill_tiles(
-        *flags,
-        values,
-        magnitude,
-        np.uint64(_seed_offset(seed)),
-        tables.codes,
-        tables.count,
-        tables.first,
-        tables.completions,
-        tables.completion_pairs,
-    )
+    offset = np.uint64(_seed_offset(seed))
+    tables = _compact_tile_tables()
+    done = cpu_kernels.refill_tiles(*flags, values, magnitude, offset, *tables)
     return grown if done else None
+
+
+@functools.cache
+def _compact_tile_tables() -> tuple[np.ndarray, ...]:
+    """The tables the compiled refill reads, in the narrowest integer dtypes that hold them
+    (0.3 MiB instead of 2 MiB in int64: they stay in the L2 cache, about 1.3x faster)."""
+    tables = _tile_tables_cpu()
+    return (
+        tables.codes.numpy(),
+        tables.count.numpy().astype(np.uint8),  # at most 90
+        tables.first.numpy().astype(np.int32),
+        tables.completions.numpy().astype(np.uint8),  # pattern indices: < 90
+        tables.completion_pairs.numpy().astype(np.uint8),  # 6 * row + pair: < 24
+    )
 
 
 def _seed_offset(seed: int) -> int:
