@@ -155,30 +155,34 @@ def refill_groups(survivors, grown, n, keys, magnitude, offset) -> None:
 @njit(inline="always", boundscheck=False)
 def _refill_groups(m, survivors, grown, n, keys, magnitude, offset):
     scores = np.empty(m)
-    rank = np.empty(m, np.int64)
-    for g in range(survivors.shape[0]):
-        kept = 0
-        for c in range(m):
-            kept += survivors[g, c]
-        if kept >= n:
+    short = np.empty(BLOCK, np.int64)
+    groups = survivors.shape[0]
+    # per block: list the groups that lost some (a store per group, not a branch: about
+    # half of them did, at random), then refill the listed ones
+    for first in range(0, groups, BLOCK):
+        n_short = 0
+        for g in range(first, min(first + BLOCK, groups)):
+            kept = 0
             for c in range(m):
+                kept += survivors[g, c]
                 grown[g, c] = 0
-            continue
-        for c in range(m):  # selects, not branches: the outcomes are random
-            if keys is None:
-                v = np.float64(uniform_bits(g * m + c, offset))
-            else:
-                v = np.float64(abs(keys[g, c]) if magnitude else keys[g, c])
-                v = -np.inf if np.isnan(v) else v
-            scores[c] = np.inf if survivors[g, c] else v
-            rank[c] = 0
-        for i in range(m):
-            for j in range(i + 1, m):
-                j_first = np.int64(scores[j] > scores[i])
-                rank[i] += j_first
-                rank[j] += 1 - j_first
-        for c in range(m):
-            grown[g, c] = (rank[c] < n) & (survivors[g, c] == 0)
+            short[n_short] = g
+            n_short += kept < n
+        for g in short[:n_short]:
+            for c in range(m):
+                if keys is None:
+                    v = np.float64(uniform_bits(g * m + c, offset))
+                else:
+                    v = np.float64(abs(keys[g, c]) if magnitude else keys[g, c])
+                    v = -np.inf if np.isnan(v) else v
+                scores[c] = np.inf if survivors[g, c] else v
+            for c in range(m):  # ahead of c: higher, or as high and to its left
+                ahead = 0
+                for d in range(c):
+                    ahead += scores[d] >= scores[c]
+                for d in range(c + 1, m):
+                    ahead += scores[d] > scores[c]
+                grown[g, c] = (ahead < n) & (survivors[g, c] == 0)
 
 
 def _group_kernel(m: int):
@@ -199,6 +203,9 @@ PAIR_COLUMNS = np.array([[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]])
 """The 6 pairs of columns of a tile row, in the order of the tables' pair indices."""
 _NIBBLE = np.uint64(0x01020408)
 """Multiplying 4 bytes of 0/1 (a uint32, little-endian) by this puts them as 4 bits at bit 24."""
+_SPREAD, _BYTES = np.uint64(0x00204081), np.uint64(0x01010101)
+"""And back: multiplying 4 bits by ``_SPREAD`` puts copies at bits 0, 7, 14 and 21 (no two
+overlap), so bit ``i`` of copy ``i`` lands at bit ``8 * i``; ``_BYTES`` keeps those."""
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -252,13 +259,8 @@ def refill_tiles(
                     best = _first_best(sums, start, n, pairs)
             added = codes[completions[best]] & ~code
             for r in range(4):
-                nibble = (added >> (4 * r)) & 0xF  # its 4 bits as 4 bytes of 0/1
-                grown[top + r, tile_col] = np.uint32(
-                    (nibble & 1)
-                    | (nibble >> 1 & 1) << 8
-                    | (nibble >> 2 & 1) << 16
-                    | (nibble >> 3 & 1) << 24
-                )
+                nibble = np.uint64((added >> (4 * r)) & 0xF)
+                grown[top + r, tile_col] = np.uint32((nibble * _SPREAD) & _BYTES)
     return True
 
 
