@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 
@@ -33,7 +34,7 @@ CHUNK = 1 << 18
 """Elements per chunk on the CPU: 1 MiB of float32, which stays in the L2 cache with the bool
 temporaries of a chunk."""
 
-_SCRATCH: dict[tuple[torch.device, int], Tensor] = {}
+_SCRATCH: dict[tuple[torch.device, int, int], Tensor] = {}  # (device, slot, thread)
 
 _NUMPY_DTYPES = {
     torch.float16,
@@ -221,10 +222,10 @@ def apply_mask_change_(
 def scratch_mask(numel: int, device: torch.device, slot: int = 0) -> Tensor:
     """A flat bool tensor of ``numel`` entries with undefined contents, for mask-sized work.
 
-    On the CPU it is a view of a buffer kept between calls (one per ``slot``, grown to the
-    largest request): a freshly allocated buffer costs a page fault per 4 KiB when first
+    On the CPU it is a view of a buffer kept between calls (one per ``slot`` and thread, grown
+    to the largest request): a freshly allocated buffer costs a page fault per 4 KiB when first
     written, about as much as a pass over it. It stays valid until the next call with the same
-    slot; :func:`free_scratch` releases the buffers. Other devices get a fresh tensor (their
+    slot on the same thread; :func:`free_scratch` releases the buffers. Other devices get a fresh tensor (their
     caching allocators reuse memory already).
 
     >>> a = scratch_mask(8, torch.device("cpu"), slot=3)
@@ -234,11 +235,10 @@ def scratch_mask(numel: int, device: torch.device, slot: int = 0) -> Tensor:
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(numel, dtype=torch.bool, device=device)
-    buffer = _SCRATCH.get((device, slot))
+    key = device, slot, threading.get_ident()
+    buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH[device, slot] = torch.empty(
-            numel, dtype=torch.bool, device=device
-        )
+        buffer = _SCRATCH[key] = torch.empty(numel, dtype=torch.bool, device=device)
     return buffer[:numel]
 
 

@@ -62,6 +62,7 @@ from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
 )
 from lightning_sparse.backends.speed import SpeedCheck
+from lightning_sparse.layer_threads import for_each_layer, update_threads
 from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
 from lightning_sparse.optim_state import state_tensors, zero_optimizer_state
 from lightning_sparse.schedule import ResolvedPhase, phase_at
@@ -252,22 +253,21 @@ class Sparsifier:
         changed: Tensor | None,
         optimizers: Sequence[torch.optim.Optimizer],
     ) -> None:
-        """Make ``t``'s updated (whole-tensor) ``mask`` take effect where ``changed`` (bool, or
-        ``None``: nowhere) says it changed: there the weight is multiplied by the mask (a
-        dropped weight becomes a zero of its sign, bit for bit what multiplying the whole
-        weight gives) and the optimizer state is zeroed (a regrown weight starts clean)."""
+        """Make ``t``'s updated (whole-tensor) ``mask`` take effect on the weight and optimizer
+        state where ``changed`` (bool, or ``None``: nowhere) says it changed: there the weight
+        is multiplied by the mask (a dropped weight becomes a zero of its sign, bit for bit what
+        multiplying the whole weight gives) and the optimizer state is zeroed (a regrown weight
+        starts clean). The caller stores the mask and installs its forward."""
         algo = self.algorithm
         assert algo is not None
-        stored = self.masks[t.name] = shard_like(mask, t.param)
-        self._install_forward(t, algo, mask)
         if algo.straight_through or changed is None:
             return
         weight = t.param.detach()
         if type(weight) is not torch.Tensor:  # sharded: this rank's part of the change
-            multiply_by_mask_(weight, stored)
+            multiply_by_mask_(weight, shard_like(mask, t.param))
             zero_optimizer_state(optimizers, t.param, shard_like(changed, t.param))
             return
-        apply_mask_change_(weight, stored, changed, state_tensors(optimizers, t.param))
+        apply_mask_change_(weight, mask, changed, state_tensors(optimizers, t.param))
 
     def _install_forward(
         self, t: ParamTarget, algo: SparsityAlgorithm, mask: Tensor
@@ -352,7 +352,8 @@ class Sparsifier:
         # plain tensors: the stored masks themselves, which the algorithm edits in place
         masks = {t.name: gather_full(self.masks[t.name]) for t in self.targets}
         targets = algo.layer_targets(step, weights, masks)
-        for t in self.targets:
+
+        def update_layer(t: ParamTarget) -> None:  # on a worker thread, perhaps
             grad = None if t.param.grad is None else gather_full(t.param.grad.detach())
             changed = algo.update_mask_(
                 weights[t.name],
@@ -361,6 +362,16 @@ class Sparsifier:
                 MaskContext(t.name, step, algo.seed, grad),
             )
             self._apply_change(t, masks[t.name], changed, optimizers)
+
+        params = [t.param for t in self.targets]
+        workers = update_threads(algo.layers_in_parallel, params)
+        sizes = [p.numel() for p in params]
+        for_each_layer(update_layer, self.targets, sizes, workers)
+        for t in (
+            self.targets
+        ):  # (forwards are installed on this thread: layers share modules)
+            self.masks[t.name] = shard_like(masks[t.name], t.param)
+            self._install_forward(t, algo, masks[t.name])
         self._grad_lists.clear()
         self.last_update_step = step
         return True

@@ -91,6 +91,10 @@ class SparsityAlgorithm:
         needs_grad: ``True`` if :meth:`update_mask` needs ``ctx.grad`` (the dense gradient).
         projects: ``True`` if every forward derives the mask from the weight (:meth:`project`);
             implies ``straight_through``.
+        layers_in_parallel: ``True`` if :meth:`update_mask_` (with everything it calls) may run
+            for several layers at once on worker threads (CPU weights, when torch uses more
+            than one thread; see :mod:`~lightning_sparse.layer_threads`). Not inherited: a
+            subclass runs its layers one after another unless it sets this itself.
 
     Example:
         >>> import torch
@@ -113,6 +117,12 @@ class SparsityAlgorithm:
     option_names: ClassVar[frozenset[str]] = frozenset({"init", "seed", "distribution"})
     default_update_every: ClassVar[int] = 100
     default_update_stop_fraction: ClassVar[float] = 1.0  # of the phase length
+    layers_in_parallel: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "layers_in_parallel" not in vars(cls):  # a subclass's own code may not be
+            cls.layers_in_parallel = False  # thread-safe
 
     def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
         spec = phase.spec

@@ -274,6 +274,8 @@ class SET(DropAndGrow):
         >>> cb = SparsityCallback(phases=[{"sparsity": 0.9, "algorithm": "set", "update_every": 100}])
     """
 
+    layers_in_parallel = True
+
     def regrowth(
         self, weight: Tensor, mask: Tensor, ctx: MaskContext
     ) -> Regrowth | None:
@@ -292,6 +294,7 @@ class RigL(DropAndGrow):
         >>> cb = SparsityCallback(phases=[{"sparsity": 0.9, "algorithm": "rigl", "distribution": "erk"}])
     """
 
+    layers_in_parallel = True
     needs_grad = True
     grow_by_magnitude = True
 

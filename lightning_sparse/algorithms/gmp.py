@@ -49,6 +49,7 @@ class GradualMagnitudePruning(SparsityAlgorithm):
         [0.0, 0.279, 0.8, 0.8]
     """
 
+    layers_in_parallel = True
     dynamic = True
     supports_nm = False
     option_names = SparsityAlgorithm.option_names | {"ramp", "initial_sparsity"}

@@ -25,6 +25,7 @@ class Magnitude(SparsityAlgorithm):
         >>> cb = SparsityCallback(phases=[{"sparsity": 0.7, "algorithm": "magnitude", "update_every": 50}])
     """
 
+    layers_in_parallel = True
     straight_through = True
     dynamic = True
 
