@@ -402,7 +402,8 @@ def test_rigl_ranks_the_accumulated_dense_gradient(monkeypatch):
         assert bool((grad[~mask] != 0).any()), "pruned positions have dense gradients"
 
 
-def test_non_finite_gradients_skip_the_update_and_say_so():
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradients_skip_the_update_and_say_so(bad):
     logs = []
     net = nn.Sequential(nn.Linear(8, 8))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -418,11 +419,11 @@ def test_non_finite_gradients_skip_the_update_and_say_so():
     sp.on_step_start(0, [opt])
     before = sp.masks["0.weight"].clone()
     net[0].weight.grad = torch.randn(8, 8)
-    net[0].weight.grad[0, 0] = float("nan")
+    net[0].weight.grad[0, 0] = bad
     assert sp.before_optimizer_step(1, opt, [opt]) is False
     assert torch.equal(sp.masks["0.weight"], before) and sp.last_update_step == -1
     assert logs == ["[g] step 1: mask update skipped: non-finite weights or gradients"]
-    net[0].weight.grad = torch.randn(8, 8)
+    net[0].weight.grad = torch.full((8, 8), 3e38)  # finite, though its sum is not
     assert sp.before_optimizer_step(2, opt, [opt]) is True
 
 
