@@ -147,7 +147,7 @@ def refill_groups(survivors, grown, n, keys, magnitude, offset) -> None:
     shaped like ``survivors``), or with ``keys`` ``None`` the highest :func:`uniform_bits` of
     the flat position, ranked as the NumPy path ranks them for ``m <= 8``: by pairwise ``>``,
     the lower column first on a tie, NaN as ``-inf``, survivors above all. Groups of 2, 4 and
-    8 run a loop compiled for their size (about 2.5x faster than one reading ``m``)."""
+    8 run a loop compiled for their size (about 2x faster than one reading ``m``)."""
     kernel = _GROUP_KERNELS.get(survivors.shape[1], _GROUP_KERNELS[0])
     kernel(survivors, grown, n, keys, magnitude, offset)
 

@@ -102,22 +102,13 @@ def refill_groups(
     """The positions to regrow so that every group of ``target.m`` along the last axis of
     ``survivors`` (viewed as ``(out, -1)``) holds ``target.n`` again: in each group that lost
     some, the free positions with the highest ``keys`` (ties: the lower position; NaN counts
-    as ``-inf``), or with
-    ``keys`` ``None`` the highest :func:`uniform_bits` of ``seed`` and the flat position.
-    Returns a bool tensor shaped like ``survivors`` (``out``, if given)."""
+    as ``-inf``), or with ``keys`` ``None`` the highest :func:`uniform_bits` of ``seed`` and
+    the flat position. Returns a bool tensor shaped like ``survivors`` (``out``, if given)."""
     n, m = target.n, target.m
     grown_tensor = torch.empty_like(survivors) if out is None else out
     grown = ops.array(grown_tensor).reshape(-1, m)
     groups = ops.array(survivors).reshape(-1, m)
-    if (
-        ops.xp is np
-        and m <= _MAX_RANKED
-        and (
-            keys is None
-            or isinstance(keys, GroupKeys)
-            and cpu_kernels.accepts(keys.values)
-        )
-    ):
+    if ops.xp is np and m <= _MAX_RANKED and _compiled_loop_reads(keys, GroupKeys):
         values = None if keys is None else keys.values.reshape(-1, m)
         magnitude = keys is not None and keys.magnitude
         offset = np.uint64(_seed_offset(seed))
@@ -144,6 +135,12 @@ def refill_groups(
         else:
             grown[short] = chosen
     return grown_tensor.view(survivors.shape)
+
+
+def _compiled_loop_reads(keys: Keys | None, kind: type) -> bool:
+    """Whether a compiled CPU refill can take ``keys``: random (``None``), or keys of ``kind``
+    (:class:`GroupKeys`, :class:`TileKeys`) in a dtype the loops take."""
+    return keys is None or isinstance(keys, kind) and cpu_kernels.accepts(keys.values)
 
 
 def _random_group_keys(ops: Ops, m: int, seed: int, index):
@@ -282,9 +279,7 @@ def refill_tiles(
     ``None`` if some tile's survivors fit no pattern (a mask that was not transposable)."""
     if sys.byteorder != "little":
         return None
-    if ops.xp is np and (
-        keys is None or isinstance(keys, TileKeys) and cpu_kernels.accepts(keys.values)
-    ):
+    if ops.xp is np and _compiled_loop_reads(keys, TileKeys):
         return _refill_tiles_compiled(ops, survivors, keys, seed, out)
     tables = _tile_tables(ops)
     rows, cols = survivors.shape
