@@ -32,6 +32,8 @@ from typing import TypeVar
 
 import torch
 
+from lightning_sparse.array_ops import free_scratch
+
 T = TypeVar("T")
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
@@ -77,6 +79,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         if _POOL is None or _POOL[0] != workers:
             if _POOL is not None:
                 _POOL[1].shutdown(wait=True)
+                free_scratch()  # the old threads' buffers
             _POOL = (
                 workers,
                 ThreadPoolExecutor(workers, thread_name_prefix="lightning_sparse"),

@@ -2,14 +2,16 @@
 thread, bit for bit; only algorithms that allow it use threads; errors reach the caller."""
 
 import threading
+import time
 from typing import ClassVar
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_sparse import register_algorithm
+from lightning_sparse import array_ops, register_algorithm
 from lightning_sparse.algorithms import RigL
+from lightning_sparse.array_ops import scratch_mask
 from lightning_sparse.layer_threads import for_each_layer, update_threads
 from lightning_sparse.schedule import Phase, resolve_phases
 from lightning_sparse.selection import select_parameters
@@ -125,3 +127,14 @@ def test_the_first_error_reaches_the_caller_after_every_layer_ran():
     with pytest.raises(ValueError, match="layer bad failed"):
         for_each_layer(work, names, sizes=[1, 4, 2, 3], workers=2)
     assert sorted(done) == ["a", "b", "c"]
+
+
+def test_a_new_thread_count_releases_the_old_threads_buffers():
+    def work(size):
+        scratch_mask(size, torch.device("cpu"), slot=5)
+        time.sleep(0.05)  # every worker gets a layer
+
+    for workers in (3, 2):
+        for_each_layer(work, [10, 20, 30, 40], sizes=[1, 2, 3, 4], workers=workers)
+    holders = {thread for (_, slot, thread) in array_ops._SCRATCH if slot == 5}
+    assert len(holders) == 2  # the 2 threads of the current pool, none of the 3 before
