@@ -129,6 +129,19 @@ def flat_nonzero(mask: Tensor) -> Tensor:
     return as_tensor(nonzero_of(xp, flags), mask.device).to(torch.int64)
 
 
+def pick_output(
+    k: int, n_eligible: int, n: int, device: torch.device, out: Tensor | None
+) -> Tensor:
+    """The flat bool tensor of ``n`` entries a pick of ``k`` of ``n_eligible`` entries is
+    written to: ``out`` viewed flat, or a new one. Raises ``ValueError`` if ``k`` is negative
+    or more than ``n_eligible``."""
+    if not 0 <= k <= n_eligible:
+        raise ValueError(f"cannot pick {k} of {n_eligible} eligible entries")
+    if out is None:
+        return torch.empty(n, dtype=torch.bool, device=device)
+    return out.view(-1)
+
+
 def count_true(mask: Tensor) -> int:
     """How many entries of a bool tensor are ``True``.
 
@@ -225,8 +238,8 @@ def scratch_mask(numel: int, device: torch.device, slot: int = 0) -> Tensor:
     On the CPU it is a view of a buffer kept between calls (one per ``slot`` and thread, grown
     to the largest request): a freshly allocated buffer costs a page fault per 4 KiB when first
     written, about as much as a pass over it. It stays valid until the next call with the same
-    slot on the same thread; :func:`free_scratch` releases the buffers. Other devices get a fresh tensor (their
-    caching allocators reuse memory already).
+    slot on the same thread; :func:`free_scratch` releases the buffers. Other devices get a
+    fresh tensor (their caching allocators reuse memory already).
 
     >>> a = scratch_mask(8, torch.device("cpu"), slot=3)
     >>> scratch_mask(4, torch.device("cpu"), slot=3).data_ptr() == a.data_ptr()
@@ -252,7 +265,7 @@ class Ops:
     both: NumPy on the CPU, torch elsewhere (see :func:`ops_for`).
 
     >>> ops = ops_for(torch.zeros(3))
-    >>> ops.xp.__name__, ops.tensor(ops.nonzero(ops.array(torch.tensor([0, 5, 7])) > 1)).tolist()
+    >>> ops.xp.__name__, ops.nonzero(ops.array(torch.tensor([0, 5, 7])) > 1).tolist()
     ('numpy', [1, 2])
     """
 
@@ -267,10 +280,6 @@ class Ops:
             assert view is not None
             return view
         return tensor
-
-    def tensor(self, array) -> Tensor:
-        """An array of this namespace as a tensor on the device (no copy on the CPU)."""
-        return as_tensor(array, self.device)
 
     def arange(self, n: int):
         return np.arange(n) if self.xp is np else torch.arange(n, device=self.device)
@@ -291,16 +300,8 @@ class Ops:
             return np.take(array, index, axis=0, mode="clip")
         return array[index]
 
-    def take_along_rows(self, array, index):
-        if self.xp is np:
-            return np.take_along_axis(array, index, axis=1)
-        return torch.gather(array, 1, index)
-
     def argmax_rows(self, array):
         return np.argmax(array, axis=1) if self.xp is np else array.argmax(1)
-
-    def unique(self, array) -> list[int]:
-        return (np.unique(array) if self.xp is np else torch.unique(array)).tolist()
 
     def to_int64(self, array):
         return array.astype(np.int64) if self.xp is np else array.to(torch.int64)

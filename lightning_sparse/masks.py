@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_sparse.array_ops import flat_nonzero
+from lightning_sparse.array_ops import flat_nonzero, scratch_mask
 from lightning_sparse.top_k import top_k_mask
 
 
@@ -139,8 +139,29 @@ def drop_smallest(weight: Tensor, mask: Tensor, n_drop: int) -> Tensor:
     >>> drop_smallest(torch.tensor([3.0, -0.5, 2.0, 9.0]), torch.tensor([True, True, True, False]), 2).tolist()
     [True, False, False, False]
     """
-    dropped = top_k_mask(weight, n_drop, largest=False, magnitude=True, among=mask)
-    return mask & ~dropped
+    survivors = mask.clone()
+    drop_smallest_(weight, survivors, n_drop)
+    return survivors
+
+
+def drop_smallest_(
+    weight: Tensor, mask: Tensor, n_drop: int, n_active: int | None = None
+) -> Tensor:
+    """:func:`drop_smallest` in place: clears those entries in ``mask`` (``n_active``: how
+    many it has set, if known) and returns them, a bool tensor shaped like ``mask`` that is a
+    reused buffer (:func:`~lightning_sparse.array_ops.scratch_mask` slot 0), valid until the
+    next call on this thread."""
+    dropped = top_k_mask(
+        weight,
+        n_drop,
+        largest=False,
+        magnitude=True,
+        among=mask,
+        n_eligible=n_active,
+        out=scratch_mask(mask.numel(), mask.device, slot=0),
+    ).view(mask.shape)
+    mask ^= dropped
+    return dropped
 
 
 def name_seed(seed: int, name: str, step: int = 0) -> int:

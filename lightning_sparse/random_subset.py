@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse.array_ops import count_true, numpy_view
+from lightning_sparse.array_ops import count_true, numpy_view, pick_output
 from lightning_sparse.top_k import top_k_mask
 
 
@@ -48,13 +48,7 @@ def random_subset(
     flat = excluding.reshape(-1)
     n = flat.numel()
     eligible = n - count_true(flat)
-    if not 0 <= k <= eligible:
-        raise ValueError(f"cannot pick {k} of {eligible} eligible entries")
-    chosen = (
-        torch.empty(n, dtype=torch.bool, device=flat.device)
-        if out is None
-        else out.view(-1)
-    )
+    chosen = pick_output(k, eligible, n, flat.device, out)
     if 16 * min(k, eligible - k) > n:
         # a large share of the tensor: one random score per entry costs less
         scores = torch.rand(n, generator=torch.Generator().manual_seed(seed))

@@ -253,21 +253,22 @@ class Sparsifier:
         changed: Tensor | None,
         optimizers: Sequence[torch.optim.Optimizer],
     ) -> None:
-        """Make ``t``'s updated (whole-tensor) ``mask`` take effect on the weight and optimizer
-        state where ``changed`` (bool, or ``None``: nowhere) says it changed: there the weight
-        is multiplied by the mask (a dropped weight becomes a zero of its sign, bit for bit what
-        multiplying the whole weight gives) and the optimizer state is zeroed (a regrown weight
-        starts clean). The caller stores the mask and installs its forward."""
+        """Store ``t``'s updated (whole-tensor) ``mask`` and make it take effect on the weight
+        and optimizer state where ``changed`` (bool, or ``None``: nowhere) says it changed:
+        there the weight is multiplied by the mask (a dropped weight becomes a zero of its sign,
+        bit for bit what multiplying the whole weight gives) and the optimizer state is zeroed
+        (a regrown weight starts clean). The caller installs the forward."""
         algo = self.algorithm
         assert algo is not None
+        stored = self.masks[t.name] = shard_like(mask, t.param)
         if algo.straight_through or changed is None:
             return
         weight = t.param.detach()
         if type(weight) is not torch.Tensor:  # sharded: this rank's part of the change
-            multiply_by_mask_(weight, shard_like(mask, t.param))
+            multiply_by_mask_(weight, stored)
             zero_optimizer_state(optimizers, t.param, shard_like(changed, t.param))
             return
-        apply_mask_change_(weight, mask, changed, state_tensors(optimizers, t.param))
+        apply_mask_change_(weight, stored, changed, state_tensors(optimizers, t.param))
 
     def _install_forward(
         self, t: ParamTarget, algo: SparsityAlgorithm, mask: Tensor
@@ -367,10 +368,8 @@ class Sparsifier:
         workers = update_threads(algo.layers_in_parallel, params)
         sizes = [p.numel() for p in params]
         for_each_layer(update_layer, self.targets, sizes, workers)
-        for t in (
-            self.targets
-        ):  # (forwards are installed on this thread: layers share modules)
-            self.masks[t.name] = shard_like(masks[t.name], t.param)
+        # forwards are installed on this thread: layers may share a module
+        for t in self.targets:
             self._install_forward(t, algo, masks[t.name])
         self._grad_lists.clear()
         self.last_update_step = step

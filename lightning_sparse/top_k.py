@@ -41,6 +41,7 @@ from lightning_sparse.array_ops import (
     fill,
     flat_nonzero,
     nonzero_of,
+    pick_output,
     scratch,
 )
 
@@ -98,13 +99,7 @@ def top_k_mask(
         n_eligible = n if flags is None else count_true(flags)
         if excluding is not None:
             n_eligible = n - n_eligible
-    if not 0 <= k <= n_eligible:
-        raise ValueError(f"cannot pick {k} of {n_eligible} eligible entries")
-    chosen = (
-        torch.empty(n, dtype=torch.bool, device=flat.device)
-        if out is None
-        else out.view(-1)
-    )
+    chosen = pick_output(k, n_eligible, n, flat.device, out)
     if k == n_eligible:
         if flags is None:
             chosen.fill_(True)

@@ -60,9 +60,15 @@ from lightning_sparse.algorithms.base import (
 from lightning_sparse.algorithms.regrowth import AtRandom, ByScore, Regrowth, Select
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
 from lightning_sparse.array_ops import count_true, scratch_mask
-from lightning_sparse.masks import NM, Sparsity, num_kept, sparsity_fraction, topk_mask
+from lightning_sparse.masks import (
+    NM,
+    Sparsity,
+    drop_smallest_,
+    num_kept,
+    sparsity_fraction,
+    topk_mask,
+)
 from lightning_sparse.schedule import ResolvedPhase
-from lightning_sparse.top_k import top_k_mask
 
 DECAYS = {
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
@@ -108,16 +114,7 @@ def drop_and_grow_(
     else:
         kept = num_kept(mask.numel(), float(target))
         n_survivors = max(0, min(n_active, kept) - n_drop)
-    changed = top_k_mask(
-        weight,
-        n_active - n_survivors,
-        largest=False,
-        magnitude=True,
-        among=mask,
-        n_eligible=n_active,
-        out=scratch_mask(mask.numel(), mask.device, slot=0),
-    ).view(mask.shape)
-    mask ^= changed  # the survivors
+    changed = drop_smallest_(weight, mask, n_active - n_survivors, n_active)  # slot 0
     out = scratch_mask(mask.numel(), mask.device, slot=1)
     if isinstance(target, NM):
         grown = regrowth.refill(mask, changed, target, select, out=out)

@@ -17,10 +17,9 @@ from lightning_sparse.algorithms.base import (
     register_algorithm,
 )
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
-from lightning_sparse.array_ops import count_true, scratch_mask
-from lightning_sparse.masks import Sparsity, drop_smallest, num_kept
+from lightning_sparse.array_ops import count_true
+from lightning_sparse.masks import Sparsity, drop_smallest, drop_smallest_, num_kept
 from lightning_sparse.schedule import ResolvedPhase, parse_sparsity
-from lightning_sparse.top_k import top_k_mask
 
 RAMPS = {
     "cubic": lambda x: 1.0 - (1.0 - x) ** 3,
@@ -121,14 +120,4 @@ class GradualMagnitudePruning(SparsityAlgorithm):
         active = count_true(mask)
         if overrides(self, "update_mask", GradualMagnitudePruning) or kept > active:
             return super().update_mask_(weight, mask, target, ctx)
-        dropped = top_k_mask(
-            weight,
-            active - kept,
-            largest=False,
-            magnitude=True,
-            among=mask,
-            n_eligible=active,
-            out=scratch_mask(mask.numel(), mask.device),
-        ).view(mask.shape)
-        mask ^= dropped
-        return dropped
+        return drop_smallest_(weight, mask, active - kept, active)
