@@ -7,8 +7,8 @@ all of that in one vectorized loop per block of :data:`BLOCK` entries (and lists
 entries of a block from a word-wise scan), about 3x faster on a large float32 tensor.
 :func:`multiply_where` and :func:`zero_where` zero dropped weights and the optimizer state of
 changed entries in one vectorized loop per tensor. :func:`refill_groups` refills N:M groups and
-:func:`refill_tiles` a transposable 2:4 mask, each in one loop over the groups (tiles). Each
-gives the bits its NumPy counterpart gives (see :mod:`~lightning_sparse.top_k`,
+:func:`refill_tiles` a transposable 2:4 mask, each in place in one loop over the groups
+(tiles). Each gives the bits its NumPy counterpart gives (see :mod:`~lightning_sparse.top_k`,
 :func:`~lightning_sparse.array_ops.apply_mask_change_` and
 :mod:`~lightning_sparse.algorithms.nm_refill`).
 
@@ -20,11 +20,11 @@ read-only.
 Example:
     >>> import numpy as np
     >>> x = np.array([0.5, -3.0, 2.0, -0.1], dtype=np.float32)
-    >>> sure, band = np.empty(4, np.uint8), np.empty(4, np.int64)
-    >>> threshold_pass(x, None, 1, True, True, 2.5, 0.4, True, sure, band, 0, 0)
+    >>> sure, band, values = np.empty(4, np.uint8), np.empty(4, np.int64), np.empty(4, x.dtype)
+    >>> threshold_pass(x, None, 1, True, True, 2.5, 0.4, True, sure, band, values, 0, 0)
     (1, 2, 4)
-    >>> sure.tolist(), band[:2].tolist()
-    ([0, 1, 0, 0], [0, 2])
+    >>> sure.tolist(), band[:2].tolist(), values[:2].tolist()
+    ([0, 1, 0, 0], [0, 2], [0.5, 2.0])
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def threshold_pass(
     has_outer,
     sure,
     band,
+    band_values,
     n_band,
     start,
 ):
@@ -62,13 +63,14 @@ def threshold_pass(
     the eligible entries beyond ``inner`` (``> inner``, or ``< inner`` unless ``largest``) and
     lists in ``band`` (int64), after its first ``n_band`` entries, the eligible ones at or
     beyond ``outer`` but not beyond ``inner`` (every eligible one that is not sure, without
-    ``has_outer``). Eligible: where ``flags`` (uint8) equals ``keep``, or everywhere if
-    ``flags`` is ``None`` (compiled separately). NaN is beyond nothing.
+    ``has_outer``), and their values (or ``|x|``) in ``band_values`` (as long as ``band``).
+    Eligible: where ``flags`` (uint8) equals ``keep``, or everywhere if ``flags`` is ``None``
+    (compiled separately). NaN is beyond nothing.
 
     Returns ``(sure count, band count, stop)``: ``stop`` is ``len(x)``, or the start of the
-    block whose band entries did not fit in ``band`` (call again from there with a longer
-    ``band`` holding the entries listed so far; the counts are of the entries before
-    ``stop``)."""
+    block whose band entries did not fit in ``band`` with one entry to spare (call again from
+    there with longer ``band`` and ``band_values`` holding the entries listed so far; the
+    counts are of the entries before ``stop``)."""
     n = x.shape[0]
     n_sure = 0
     hits = np.zeros(BLOCK, np.uint8)  # a block's band flags, cleared as they are listed
@@ -95,17 +97,22 @@ def threshold_pass(
             hits[j] = b
             block_sure += s
             in_band += b
-        if n_band + in_band > band.shape[0]:
+        if (
+            n_band + in_band >= band.shape[0]
+        ):  # (listing stores one past the last entry)
             return n_sure, n_band, first
         n_sure += block_sure
         if in_band:
+            # a word of 8 flags with a band entry is listed by stores, not branches: which of
+            # its entries are in the band is unpredictable (hits past ``length`` are 0)
             for w in range((length + 7) // 8):
                 if words[w]:
                     for j in range(8 * w, 8 * w + 8):
-                        if hits[j]:
-                            band[n_band] = first + j
-                            n_band += 1
-                            hits[j] = 0
+                        v = xs[min(j, length - 1)]
+                        band[n_band] = first + j
+                        band_values[n_band] = abs(v) if magnitude else v
+                        n_band += hits[j]
+                        hits[j] = 0
     return n_sure, n_band, n
 
 
@@ -140,32 +147,35 @@ def uniform_bits(index, offset):
     return x >> np.uint64(11)
 
 
-def refill_groups(survivors, grown, n, keys, magnitude, offset) -> None:
-    """Per group of ``m`` (a row of the uint8 ``(groups, m)`` arrays): ``grown`` gets the
-    free positions that bring the group's ``survivors`` back to ``n`` (all zero where it holds
-    ``n`` already). They are the highest float64 ``keys`` (``|keys|`` with ``magnitude``;
-    shaped like ``survivors``), or with ``keys`` ``None`` the highest :func:`uniform_bits` of
-    the flat position, ranked as the NumPy path ranks them for ``m <= 8``: by pairwise ``>``,
-    the lower column first on a tie, NaN as ``-inf``, survivors above all. Groups of 2, 4 and
-    8 run a loop compiled for their size (about 2x faster than one reading ``m``)."""
-    kernel = _GROUP_KERNELS.get(survivors.shape[1], _GROUP_KERNELS[0])
-    kernel(survivors, grown, n, keys, magnitude, offset)
+def refill_groups(mask, changed, n, keys, magnitude, offset) -> None:
+    """Per group of ``m`` (a row of the uint8 ``(groups, m)`` arrays), in place: ``mask`` holds
+    the group before the drop and ``changed`` the dropped entries (a subset); the group keeps
+    its survivors and takes the free positions that bring it back to ``n`` (none where it
+    holds ``n`` already), and ``changed`` becomes the entries whose flag changed. The taken
+    positions are the highest float64 ``keys`` (``|keys|`` with ``magnitude``; shaped like
+    ``mask``), or with ``keys`` ``None`` the highest :func:`uniform_bits` of the flat
+    position, ranked as the NumPy path ranks them for ``m <= 8``: by pairwise ``>``, the lower
+    column first on a tie, NaN as ``-inf``, survivors above all. Groups of 2, 4 and 8 run a
+    loop compiled for their size (about 2x faster than one reading ``m``)."""
+    kernel = _GROUP_KERNELS.get(mask.shape[1], _GROUP_KERNELS[0])
+    kernel(mask, changed, n, keys, magnitude, offset)
 
 
 @njit(inline="always", boundscheck=False)
-def _refill_groups(m, survivors, grown, n, keys, magnitude, offset):
+def _refill_groups(m, mask, changed, n, keys, magnitude, offset):
     scores = np.empty(m)
     short = np.empty(BLOCK, np.int64)
-    groups = survivors.shape[0]
-    # per block: list the groups that lost some (a store per group, not a branch: about
-    # half of them did, at random), then refill the listed ones
+    groups = mask.shape[0]
+    # per block: drop, and list the groups that lost some (a store per group, not a branch:
+    # about half of them did, at random), then refill the listed ones
     for first in range(0, groups, BLOCK):
         n_short = 0
         for g in range(first, min(first + BLOCK, groups)):
             kept = 0
             for c in range(m):
-                kept += survivors[g, c]
-                grown[g, c] = 0
+                survives = mask[g, c] & (changed[g, c] ^ np.uint8(1))
+                mask[g, c] = survives
+                kept += survives
             short[n_short] = g
             n_short += kept < n
         for g in short[:n_short]:
@@ -175,23 +185,25 @@ def _refill_groups(m, survivors, grown, n, keys, magnitude, offset):
                 else:
                     v = np.float64(abs(keys[g, c]) if magnitude else keys[g, c])
                     v = -np.inf if np.isnan(v) else v
-                scores[c] = np.inf if survivors[g, c] else v
+                scores[c] = np.inf if mask[g, c] else v
             for c in range(m):  # ahead of c: higher, or as high and to its left
                 ahead = 0
                 for d in range(c):
                     ahead += scores[d] >= scores[c]
                 for d in range(c + 1, m):
                     ahead += scores[d] > scores[c]
-                grown[g, c] = (ahead < n) & (survivors[g, c] == 0)
+                grow = np.uint8((ahead < n) & (mask[g, c] == 0))
+                mask[g, c] |= grow
+                changed[g, c] ^= grow
 
 
 def _group_kernel(m: int):
     """:func:`refill_groups` compiled for groups of ``m`` (0: any size, read from the shape)."""
 
     @njit(cache=True, nogil=True, boundscheck=False)
-    def kernel(survivors, grown, n, keys, magnitude, offset):
-        size = m if m else survivors.shape[1]
-        _refill_groups(size, survivors, grown, n, keys, magnitude, offset)
+    def kernel(mask, changed, n, keys, magnitude, offset):
+        size = m if m else mask.shape[1]
+        _refill_groups(size, mask, changed, n, keys, magnitude, offset)
 
     return kernel
 
@@ -210,34 +222,42 @@ overlap), so bit ``i`` of copy ``i`` lands at bit ``8 * i``; ``_BYTES`` keeps th
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def refill_tiles(
-    survivors, grown, keys, magnitude, offset, codes, count, first, completions, pairs
+    mask, changed, keys, magnitude, offset, codes, count, first, completions, pairs
 ):
-    """Per 4x4 tile of a transposable 2:4 mask: the completion to regrow. ``survivors`` and
-    ``grown`` are bool masks seen as uint32 words of 4 flags, ``(rows, cols // 4)``; every
-    tile of ``grown`` is written (a tile with a single completion regrows what it dropped).
-    The completion with the largest total of float64 ``keys`` (``|keys|`` with
-    ``magnitude``; 2-D like the mask) summed as the NumPy path sums them (the pair of each
-    row, then the rows in order), ties and NaN to the first as ``argmax`` takes them; or, with
-    ``keys`` ``None``, one drawn by :func:`uniform_bits` of the tile's index.
-    ``codes``/``count``/``first``/``completions``/``pairs`` are the tables of
+    """Per 4x4 tile of a transposable 2:4 mask, in place: ``mask`` holds the tile before the
+    drop and ``changed`` the dropped entries (a subset), both bool masks seen as uint32 words
+    of 4 flags, ``(rows, cols // 4)``; the tile becomes its survivors plus the completion to
+    regrow, and ``changed`` the entries whose flag changed (a tile with a single completion
+    regrows what it dropped, so it does not change). The completion has the largest total of
+    float64 ``keys`` (``|keys|`` with ``magnitude``; 2-D like the mask) summed as the NumPy
+    path sums them (the pair of each row, then the rows in order), ties and NaN to the first
+    as ``argmax`` takes them; or, with ``keys`` ``None``, one drawn by :func:`uniform_bits` of
+    the tile's index. ``codes``/``count``/``first``/``completions``/``pairs`` are the tables of
     :mod:`~lightning_sparse.algorithms.nm_refill` (``pairs``: ``completion_pairs``; any
-    integer dtypes). Returns ``False`` (leaving ``grown`` partly written) if a tile's
-    survivors fit no pattern (little-endian machines only)."""
-    rows, per_row = survivors.shape
+    integer dtypes). Returns how many tile rows (4 rows of the mask) were refilled: fewer than
+    ``rows // 4`` if the survivors of a tile in the next one fit no pattern (that tile row
+    and those after it are left as they were). Little-endian machines only."""
+    rows, per_row = mask.shape
     sums = np.empty(24)
+    survivor_codes = np.empty(per_row, np.int64)
     # (no branch on a single completion: it is as often taken as not, and a mispredicted
     # branch costs more than evaluating the one completion)
     for tile_row in range(rows // 4):
         top = 4 * tile_row
+        fits = True
         for tile_col in range(per_row):
             code = 0
             for r in range(4):
-                word = np.uint64(survivors[top + r, tile_col])
+                word = np.uint64(mask[top + r, tile_col] & ~changed[top + r, tile_col])
                 nibble = ((word * _NIBBLE) >> np.uint64(24)) & np.uint64(0xF)
                 code |= np.int64(nibble) << (4 * r)
+            survivor_codes[tile_col] = code
+            fits &= count[code] != 0
+        if not fits:
+            return tile_row
+        for tile_col in range(per_row):
+            code = survivor_codes[tile_col]
             n = np.int64(count[code])
-            if n == 0:
-                return False
             start = np.int64(first[code])
             if keys is None:
                 bits = uniform_bits(tile_row * per_row + tile_col, offset)
@@ -257,11 +277,13 @@ def refill_tiles(
                     best = _first_best_or_nan(sums, start, n, pairs)
                 else:
                     best = _first_best(sums, start, n, pairs)
-            added = codes[completions[best]] & ~code
+            tile = np.int64(codes[completions[best]])
             for r in range(4):
-                nibble = np.uint64((added >> (4 * r)) & 0xF)
-                grown[top + r, tile_col] = np.uint32((nibble * _SPREAD) & _BYTES)
-    return True
+                kept = np.uint64((tile >> (4 * r)) & 0xF)
+                added = np.uint64(((tile & ~code) >> (4 * r)) & 0xF)
+                mask[top + r, tile_col] = np.uint32((kept * _SPREAD) & _BYTES)
+                changed[top + r, tile_col] ^= np.uint32((added * _SPREAD) & _BYTES)
+    return rows // 4
 
 
 @njit(inline="always", boundscheck=False)

@@ -148,20 +148,32 @@ def drop_smallest_(
     weight: Tensor, mask: Tensor, n_drop: int, n_active: int | None = None
 ) -> Tensor:
     """:func:`drop_smallest` in place: clears those entries in ``mask`` (``n_active``: how
-    many it has set, if known) and returns them, a bool tensor shaped like ``mask`` that is a
-    reused buffer (:func:`~lightning_sparse.array_ops.scratch_mask` slot 0), valid until the
-    next call on this thread."""
-    dropped = top_k_mask(
+    many it has set, if known) and returns them (see :func:`smallest_active`)."""
+    dropped = smallest_active(weight, mask, n_drop, n_active)
+    mask ^= dropped
+    return dropped
+
+
+def smallest_active(
+    weight: Tensor, mask: Tensor, n: int, n_active: int | None = None
+) -> Tensor:
+    """The ``n`` entries set in ``mask`` with the smallest ``|weight|`` (ties: the lower flat
+    index first; ``n_active``: how many ``mask`` has set, if known), as a bool tensor shaped
+    like ``mask`` that is a reused buffer (:func:`~lightning_sparse.array_ops.scratch_mask`
+    slot 0), valid until the next call on this thread.
+
+    >>> smallest_active(torch.tensor([3.0, -0.5, 2.0, 0.1]), torch.tensor([True, True, True, False]), 1).tolist()
+    [False, True, False, False]
+    """
+    return top_k_mask(
         weight,
-        n_drop,
+        n,
         largest=False,
         magnitude=True,
         among=mask,
         n_eligible=n_active,
         out=scratch_mask(mask.numel(), mask.device, slot=0),
     ).view(mask.shape)
-    mask ^= dropped
-    return dropped
 
 
 def name_seed(seed: int, name: str, step: int = 0) -> int:

@@ -239,16 +239,16 @@ def _kernel_pass(c: _Choice, x: np.ndarray, sure: np.ndarray, eligible, inner, o
     has_outer = outer is not None
     rest = (as_x(outer if has_outer else 0.0), has_outer, sure.view(np.uint8))
     band = np.empty(c.n_eligible // 16 + cpu_kernels.BLOCK, dtype=np.int64)
-    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, *rest, band, 0, 0)
+    values = np.empty(band.shape, dtype=x.dtype)
+    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, *rest, band, values, 0, 0)
     while stop < x.shape[0]:  # the band outgrew the buffer: go on with a longer one
         band = np.concatenate([band[:n_band], np.empty_like(band)])
+        values = np.concatenate([values[:n_band], np.empty_like(values)])
         found, n_band, stop = cpu_kernels.threshold_pass(
-            *args, *rest, band, n_band, stop
+            *args, *rest, band, values, n_band, stop
         )
         n_sure += found
-    index = band[:n_band]
-    values = np.take(x, index)
-    return n_sure, index, np.abs(values, out=values) if c.magnitude else values
+    return n_sure, band[:n_band], values[:n_band]
 
 
 def _first_k(xp: ModuleType, values, k: int, largest: bool):

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_sparse import SparsityCallback
+from lightning_sparse import SparsityCallback, array_ops
 from lightning_sparse.algorithms import MaskContext, build_algorithm
 from lightning_sparse.algorithms.drop_grow import drop_and_grow
 from lightning_sparse.masks import NM, is_nm, keep_top, num_kept, topk_mask
@@ -94,6 +94,32 @@ def test_transposable_2to4_stays_transposable(tile_rows, tile_cols, fraction, se
     magnitude = weight.abs()[mask].sort().values
     threshold = magnitude[n_drop - 1] if n_drop else -1.0
     survivors = mask & (weight.abs() > threshold)
+    assert bool(new[survivors].all()), "survivors stay"
+
+
+@pytest.mark.parametrize("numpy_views", [True, False])
+def test_2to4_tiles_from_one_that_is_not_transposable_on_refill_by_groups(
+    numpy_views, monkeypatch
+):
+    """A 2:4 mask whose second tile row is not transposable (3 in a column of a tile, still
+    2 of every 4 along the rows): from it on (the array ops: from the chunk of tile rows
+    that holds it), the groups of 4 along the rows are refilled; N:M holds everywhere."""
+    if not numpy_views:
+        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+    gen = torch.Generator().manual_seed(0)
+    select = algo_for(sparsity="2:4", algorithm="rigl").select
+    mask = select(torch.rand(12, 8, generator=gen), NM(2, 4))
+    mask[4:8, :4] = torch.tensor(
+        [[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0]]
+    )
+    assert is_nm(mask, NM(2, 4)) and not is_transposable_2to4(mask)
+    weight = torch.randn(12, 8, generator=gen) * mask
+    weight[4:8, :4] += 10 * weight[4:8, :4].sign()  # (the tile keeps its 3 in a column)
+    grow = torch.rand(12, 8, generator=gen)
+    new = drop_and_grow(weight, grow, mask, 20, NM(2, 4), select)
+    assert is_nm(new, NM(2, 4)) and int(new.sum()) == int(mask.sum())
+    assert is_transposable_2to4(new[:4]) or not numpy_views
+    survivors = mask & (weight.abs() > weight.abs()[mask].sort().values[19])
     assert bool(new[survivors].all()), "survivors stay"
 
 

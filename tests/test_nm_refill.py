@@ -10,8 +10,8 @@ from lightning_sparse import array_ops
 from lightning_sparse.algorithms.nm_refill import (
     GroupKeys,
     TileKeys,
-    refill_groups,
-    refill_tiles,
+    refill_groups_,
+    refill_tiles_,
     tile_codes,
 )
 from lightning_sparse.array_ops import ops_for
@@ -39,6 +39,16 @@ def path(request, monkeypatch):
 def dropped_from(mask, fraction, seed):
     gen = torch.Generator().manual_seed(seed)
     return mask & (torch.rand(mask.shape, generator=gen) < fraction)
+
+
+def grown_by(refill, survivors, dropped):
+    """Run ``refill(mask, changed)`` (in place) on the mask before ``dropped``; check that
+    ``changed`` became what changed and the survivors stayed. Returns ``(grown, result)``."""
+    mask, changed = survivors | dropped, dropped.clone()
+    result = refill(mask, changed)
+    assert torch.equal(changed, (survivors | dropped) ^ mask)
+    assert not bool((survivors & ~mask).any())
+    return mask & ~survivors, result
 
 
 def keys_of(shape, ties, seed):
@@ -93,14 +103,18 @@ def test_tiles_take_the_best_completion(path, ties, fraction):
     keys = keys_of(shape, ties, 3)
     ops = ops_for(survivors, keys)
     tiles = ops.array(keys).reshape(4, 4, 6, 4)
-    grown = refill_tiles(
-        ops,
+    grown, done = grown_by(
+        lambda mask, changed: refill_tiles_(
+            ops,
+            mask,
+            changed,
+            lambda index: tiles[index // 6, :, index % 6, :].reshape(-1, 16),
+        ),
         survivors,
         dropped,
-        lambda index: tiles[index // 6, :, index % 6, :].reshape(-1, 16),
     )
     new = survivors | grown
-    assert is_transposable_2to4(new) and not bool((grown & survivors).any())
+    assert done == 4 and is_transposable_2to4(new)
     new_codes = tile_codes(ops, ops.array(new))
     survivor_codes = tile_codes(ops, ops.array(survivors))
     key_tiles = keys.view(4, 4, 6, 4).permute(0, 2, 1, 3).reshape(-1, 16)
@@ -118,13 +132,18 @@ def test_tiles_at_random_are_valid_uniform_and_reproducible(path):
     ops = ops_for(survivors)
     seen = {}
     for seed in range(300):
-        new = refill_tiles(ops, survivors, dropped, None, seed)
+        new = mask.clone()
+        assert refill_tiles_(ops, new, dropped.clone(), None, seed) == 2
         assert is_transposable_2to4(new) and int(new.sum()) == 32
         code = int(tile_codes(ops, ops.array(new))[0])
         seen[code] = seen.get(code, 0) + 1
     assert len(seen) > 80, "uniform over the 90 patterns"
-    again = [refill_tiles(ops, survivors, dropped, None, 5) for _ in range(2)]
+    again = [grown_by(random_refill(ops, 5), survivors, dropped)[0] for _ in range(2)]
     assert torch.equal(*again)
+
+
+def random_refill(ops, seed):
+    return lambda mask, changed: refill_tiles_(ops, mask, changed, None, seed)
 
 
 @pytest.mark.parametrize("keys_kind", ["gaussian", "ties", "nan", "random"])
@@ -139,7 +158,11 @@ def test_compiled_tiles_choose_what_the_array_ops_choose(keys_kind, dtype, monke
     dropped = dropped_from(mask, 0.5, 2)
     survivors = mask & ~dropped
     compiled, expected = on_both_paths(
-        lambda ops, keys, seed: refill_tiles(ops, survivors, dropped, keys, seed),
+        lambda ops, keys, seed: grown_by(
+            lambda mask, changed: refill_tiles_(ops, mask, changed, keys, seed),
+            survivors,
+            dropped,
+        )[0],
         lambda ops, values: TileKeys(ops, values, magnitude=True),
         survivors,
         keys_kind,
@@ -150,11 +173,24 @@ def test_compiled_tiles_choose_what_the_array_ops_choose(keys_kind, dtype, monke
     assert torch.equal(compiled, expected)
 
 
-def test_tiles_refuse_a_mask_that_was_not_transposable():
-    survivors = torch.zeros(4, 4, dtype=torch.bool)
-    survivors[0, :3] = True  # three in a tile row: no 2:4 pattern contains them
-    ops = ops_for(survivors)
-    assert refill_tiles(ops, survivors, torch.zeros_like(survivors), None) is None
+def test_tiles_stop_at_a_tile_row_that_was_not_transposable(path):
+    """Leading tile rows before the first tile whose survivors fit no pattern are refilled
+    (the compiled loop goes tile row by tile row, the array ops by chunks of tile rows); the
+    rest are left as they were (the caller chooses them another way)."""
+    mask = optimal_transposable_2to4_mask(
+        torch.rand(8, 4, generator=torch.Generator().manual_seed(1))
+    )
+    dropped = mask.clone()
+    mask[4, :3] = True  # three in a tile row: no 2:4 pattern contains them
+    dropped[4] = False
+    before = mask.clone(), dropped.clone()
+    done = 4 * refill_tiles_(ops_for(mask), mask, dropped, None, 3)
+    assert done == (4 if path == "numpy" else 0)
+    if done:
+        assert is_transposable_2to4(mask[:done]) and int(mask[:done].sum()) == 2 * done
+    assert torch.equal(dropped[:done], before[0][:done] ^ mask[:done])
+    assert torch.equal(mask[done:], before[0][done:])
+    assert torch.equal(dropped[done:], before[1][done:])
 
 
 @pytest.mark.parametrize("target", [NM(2, 4), NM(1, 4), NM(4, 8), NM(3, 16)])
@@ -172,9 +208,15 @@ def test_groups_keep_survivors_and_take_the_best_free_positions(
         keys.view(-1)[::3] = float("nan")
     ops = ops_for(survivors, keys)
     groups = ops.array(keys).reshape(-1, target.m)
-    grown = refill_groups(ops, survivors, target, lambda index: groups[index])
+    grown, _ = grown_by(
+        lambda mask, changed: refill_groups_(
+            ops, mask, changed, target, lambda index: groups[index]
+        ),
+        survivors,
+        mask & ~survivors,
+    )
     new = (survivors | grown).view(-1, target.m)
-    assert bool((new.sum(1) == target.n).all()) and not bool((grown & survivors).any())
+    assert bool((new.sum(1) == target.n).all())
     ranked = keys.nan_to_num(nan=-float("inf"))
     for g, (kept, key) in enumerate(
         zip(survivors.view(-1, target.m), ranked.view(-1, target.m))
@@ -201,7 +243,13 @@ def test_compiled_groups_choose_what_the_array_ops_choose(
     )
     survivors = mask & ~dropped_from(mask, 0.6, 6)
     compiled, expected = on_both_paths(
-        lambda ops, keys, seed: refill_groups(ops, survivors, target, keys, seed),
+        lambda ops, keys, seed: grown_by(
+            lambda mask, changed: refill_groups_(
+                ops, mask, changed, target, keys, seed
+            ),
+            survivors,
+            mask & ~survivors,
+        )[0],
         lambda ops, values: GroupKeys(ops, values, target.m, magnitude=True),
         survivors,
         keys_kind,

@@ -130,13 +130,16 @@ def test_threshold_pass_stops_where_the_band_outgrows_its_buffer():
     sure = np.empty(10_000, np.uint8)
     args = (x, None, 1, False, True, 90.0, 80.0, True, sure)  # band: 80 <= x <= 90
     block = cpu_kernels.BLOCK
-    short = np.empty(50, np.int64)
+    short = np.empty(50, np.int64), np.empty(50, np.float32)
     # the band (80..90: x[8000:9100]) starts in the block at 6144 and does not fit in 50
-    assert cpu_kernels.threshold_pass(*args, short, 0, 0) == (0, 0, 3 * block)
-    band = np.empty(2000, np.int64)
-    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, band, 0, 3 * block)
+    assert cpu_kernels.threshold_pass(*args, *short, 0, 0) == (0, 0, 3 * block)
+    band = np.empty(1101, np.int64), np.empty(1101, np.float32)  # one to spare
+    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, *band, 0, 3 * block)
     assert (n_sure, n_band, stop) == (900, 1100, 10_000)  # > 90: 9 values, 100 of each
-    assert band[:n_band].tolist() == list(range(8000, 9100))
+    assert band[0][:n_band].tolist() == list(range(8000, 9100))
+    assert band[1][:n_band].tolist() == x[8000:9100].tolist()
+    exact = np.empty(1100, np.int64), np.empty(1100, np.float32)
+    assert cpu_kernels.threshold_pass(*args, *exact, 0, 3 * block)[2] == 4 * block
     assert np.array_equal(sure.astype(bool)[6144:], x[6144:] > 90)
 
 

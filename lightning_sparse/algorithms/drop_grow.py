@@ -65,6 +65,7 @@ from lightning_sparse.masks import (
     Sparsity,
     drop_smallest_,
     num_kept,
+    smallest_active,
     sparsity_fraction,
     topk_mask,
 )
@@ -109,18 +110,17 @@ def drop_and_grow_(
     returns a bool tensor of the entries that changed (dropped and not regrown, or regrown and
     not dropped; a reused buffer, valid until the next call)."""
     n_active = count_true(mask)
-    if isinstance(target, NM):
-        n_survivors = n_active - n_drop
-    else:
-        kept = num_kept(mask.numel(), float(target))
-        n_survivors = max(0, min(n_active, kept) - n_drop)
+    if isinstance(
+        target, NM
+    ):  # drop and refill in place: the dropped become the changed
+        changed = smallest_active(weight, mask, n_drop, n_active)  # slot 0
+        regrowth.refill_(mask, changed, target, select)
+        return changed
+    kept = num_kept(mask.numel(), float(target))
+    n_survivors = max(0, min(n_active, kept) - n_drop)
     changed = drop_smallest_(weight, mask, n_active - n_survivors, n_active)  # slot 0
     out = scratch_mask(mask.numel(), mask.device, slot=1)
-    if isinstance(target, NM):
-        grown = regrowth.refill(mask, changed, target, select, out=out)
-    else:
-        grown = regrowth.pick(mask, kept - n_survivors, out=out)
-    grown = grown.view(mask.shape)
+    grown = regrowth.pick(mask, kept - n_survivors, out=out).view(mask.shape)
     mask |= grown
     changed ^= grown  # a dropped entry that regrows is unchanged
     return changed

@@ -3,9 +3,9 @@
 After the drop of a drop-and-grow update, every group of M along the input dimension (or every
 4x4 tile of a transposable 2:4 weight) that lost weights regrows as many:
 
-- row-wise N:M (:func:`refill_groups`): the group keeps its survivors and takes the free
+- row-wise N:M (:func:`refill_groups_`): the group keeps its survivors and takes the free
   positions with the highest keys, ties to the lower position (a NaN key counts as ``-inf``);
-- transposable 2:4 (:func:`refill_tiles`): the tile becomes, among the 90 patterns with exactly
+- transposable 2:4 (:func:`refill_tiles_`): the tile becomes, among the 90 patterns with exactly
   2 per row and per column that contain its survivors, the one whose added positions have the
   largest total key (summed in float64: exact unless the keys of a tile span more than 2**29),
   ties to the first pattern in increasing bit order; or, for random regrowth, one of those
@@ -13,7 +13,8 @@ After the drop of a drop-and-grow update, every group of M along the input dimen
 
 Only groups and tiles with a choice are worked on: a tile that lost one weight can only take it
 back (after a 30% drop, about 45% of the tiles of a 2:4 layer have a single completion), and a
-group that lost nothing keeps its weights. The work runs through
+group that lost nothing keeps its weights. Both work in place: on the mask as it was before the
+drop, and on the dropped entries, which become the entries that changed. The work runs through
 :class:`~lightning_sparse.array_ops.Ops` (NumPy on the CPU, torch elsewhere); ``keys`` callbacks
 receive and return arrays of that namespace.
 
@@ -21,13 +22,14 @@ Example:
     >>> import torch
     >>> from lightning_sparse.array_ops import ops_for
     >>> from lightning_sparse.masks import NM
-    >>> survivors = torch.tensor([[True, False, False, False, False, False, True, True]])
+    >>> mask = torch.tensor([[True, True, False, False, False, False, True, True]])
+    >>> dropped = torch.tensor([[False, True, False, False, False, False, False, False]])
     >>> keys = torch.tensor([[0.0, 0.5, 0.9, 0.1, 3.0, 2.0, 0.0, 0.0]])
-    >>> ops = ops_for(survivors)
+    >>> ops = ops_for(mask)
     >>> groups = ops.array(keys).reshape(-1, 4)
-    >>> grown = refill_groups(ops, survivors, NM(2, 4), lambda index: groups[index])
-    >>> grown.int().tolist()
-    [[0, 0, 1, 0, 0, 0, 0, 0]]
+    >>> refill_groups_(ops, mask, dropped, NM(2, 4), lambda index: groups[index])
+    >>> mask.int().tolist(), dropped.int().tolist()
+    ([[1, 0, 1, 0, 0, 0, 1, 1]], [[0, 1, 1, 0, 0, 0, 0, 0]])
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ _PAIRS = tuple(tuple(pair) for pair in cpu_kernels.PAIR_COLUMNS.tolist())
 
 @dataclass(frozen=True)
 class TileKeys:
-    """:data:`Keys` for :func:`refill_tiles` read from an array laid out like the weight:
+    """:data:`Keys` for :func:`refill_tiles_` read from an array laid out like the weight:
     ``values`` (2-D, NumPy or torch; ``|values|`` with ``magnitude``). On the CPU the compiled
     refill reads them in place."""
 
@@ -77,7 +79,7 @@ class TileKeys:
 
 @dataclass(frozen=True)
 class GroupKeys:
-    """:data:`Keys` for :func:`refill_groups` read from an array laid out like the weight:
+    """:data:`Keys` for :func:`refill_groups_` read from an array laid out like the weight:
     ``values`` (NumPy or torch, groups of ``m`` along the last axis; ``|values|`` with
     ``magnitude``). On the CPU the compiled refill reads them in place."""
 
@@ -91,33 +93,34 @@ class GroupKeys:
         return self.ops.xp.abs(chosen, out=chosen) if self.magnitude else chosen
 
 
-def refill_groups(
+def refill_groups_(
     ops: Ops,
-    survivors: Tensor,
+    mask: Tensor,
+    dropped: Tensor,
     target: NM,
     keys: Keys | None,
     seed: int = 0,
-    out: Tensor | None = None,
-) -> Tensor:
-    """The positions to regrow so that every group of ``target.m`` along the last axis of
-    ``survivors`` (viewed as ``(out, -1)``) holds ``target.n`` again: in each group that lost
-    some, the free positions with the highest ``keys`` (ties: the lower position; NaN counts
-    as ``-inf``), or with ``keys`` ``None`` the highest :func:`uniform_bits` of ``seed`` and
-    the flat position. Returns a bool tensor shaped like ``survivors`` (``out``, if given)."""
+) -> None:
+    """Refill, in place, every group of ``target.m`` along the last axis of ``mask`` (viewed
+    as ``(out, -1)``) that ``dropped`` (a subset of ``mask``, shaped like it) took entries
+    from: the group keeps its survivors and takes the free positions with the highest
+    ``keys`` (ties: the lower position; NaN counts as ``-inf``), or with ``keys`` ``None`` the
+    highest :func:`uniform_bits` of ``seed`` and the flat position, until it holds
+    ``target.n``. ``dropped`` becomes the entries whose flag changed (dropped and not
+    regrown, or regrown and not dropped)."""
     n, m = target.n, target.m
-    grown_tensor = torch.empty_like(survivors) if out is None else out
-    grown = ops.array(grown_tensor).reshape(-1, m)
-    groups = ops.array(survivors).reshape(-1, m)
+    groups = ops.array(mask).reshape(-1, m)
+    lost = ops.array(dropped).reshape(-1, m)
     if ops.xp is np and m <= _MAX_RANKED and _compiled_loop_reads(keys, GroupKeys):
         values = None if keys is None else keys.values.reshape(-1, m)
         magnitude = keys is not None and keys.magnitude
         offset = np.uint64(_seed_offset(seed))
-        flags = (groups.view(np.uint8), grown.view(np.uint8))
+        flags = (groups.view(np.uint8), lost.view(np.uint8))
         cpu_kernels.refill_groups(*flags, n, values, magnitude, offset)
-        return grown_tensor.view(survivors.shape)
+        return
     if keys is None:
         keys = functools.partial(_random_group_keys, ops, m, seed)
-    grown[...] = False
+    groups &= ~lost  # the survivors
     word = _WORDS.get(m) if ops.xp is np else None
     for start in range(0, len(groups), CHUNK_GROUPS):  # temporaries stay small
         part = groups[start : start + CHUNK_GROUPS]
@@ -129,12 +132,14 @@ def refill_groups(
         scores = keys(short)
         scores[ops.xp.isnan(scores)] = -float("inf")  # NaN last: ranks stay an order
         scores[kept] = float("inf")  # survivors come first
-        chosen = _top_n_per_row(ops, scores, n) & ~kept
+        grown = _top_n_per_row(ops, scores, n) & ~kept
         if word is not None:  # a group's flags as one machine word: a cheaper scatter
-            grown.view(word)[short] = np.ascontiguousarray(chosen).view(word)
+            grown = np.ascontiguousarray(grown).view(word)
+            groups.view(word)[short] |= grown
+            lost.view(word)[short] ^= grown
         else:
-            grown[short] = chosen
-    return grown_tensor.view(survivors.shape)
+            groups[short] |= grown
+            lost[short] ^= grown
 
 
 def _compiled_loop_reads(keys: Keys | None, kind: type) -> bool:
@@ -263,39 +268,49 @@ def tile_codes(ops: Ops, mask):
     return (tiles.to(torch.int64) * weights).sum((2, 3)).reshape(-1)
 
 
-def refill_tiles(
+def refill_tiles_(
     ops: Ops,
-    survivors: Tensor,
+    mask: Tensor,
     dropped: Tensor,
     keys: Keys | None,
     seed: int = 0,
-    out: Tensor | None = None,
-) -> Tensor | None:
-    """The positions to regrow in a transposable 2:4 weight (2-D, both dimensions multiples of
-    4, every tile an exactly-2 pattern before the drop) after ``dropped`` left ``survivors``:
-    per tile, the best completion by ``keys``, or one drawn uniformly (a hash of ``seed`` and
-    the tile's position) when ``keys`` is ``None``; a tile with a single completion regrows
-    what it dropped. Returns a bool tensor shaped like ``survivors`` (``out``, if given), or
-    ``None`` if some tile's survivors fit no pattern (a mask that was not transposable)."""
+) -> int:
+    """Refill, in place, a transposable 2:4 ``mask`` (2-D, both dimensions multiples of 4,
+    every tile an exactly-2 pattern) after ``dropped`` (a subset of it) took entries: per
+    tile, the survivors plus the best completion by ``keys``, or one drawn uniformly (a hash
+    of ``seed`` and the tile's position) when ``keys`` is ``None``; a tile with a single
+    completion regrows what it dropped. ``dropped`` becomes the entries whose flag changed.
+    Returns how many leading tile rows (4 rows of ``mask`` each) were refilled: all of them,
+    unless the survivors of some tile fit no pattern (a mask that was not transposable); the
+    tile rows after those are left as they were."""
+    rows, cols = mask.shape
     if sys.byteorder != "little":
-        return None
+        return 0
     if ops.xp is np and _compiled_loop_reads(keys, TileKeys):
-        return _refill_tiles_compiled(ops, survivors, keys, seed, out)
+        flags = [ops.array(t).view(np.uint32) for t in (mask, dropped)]
+        values = None if keys is None else keys.values
+        magnitude = keys is not None and keys.magnitude
+        offset = np.uint64(_seed_offset(seed))
+        tables = _compact_tile_tables()
+        return cpu_kernels.refill_tiles(*flags, values, magnitude, offset, *tables)
     tables = _tile_tables(ops)
-    rows, cols = survivors.shape
     per_row = cols // 4
     band = max(1, CHUNK_GROUPS // per_row)  # tile rows worked on at once
-    mask_rows = ops.array(survivors)
-    # a single completion takes back what was dropped
-    grown = dropped.clone() if out is None else out.view(rows, cols).copy_(dropped)
-    words = ops.array(grown).view(np.int32 if ops.xp is np else torch.int32)
-    words = words.reshape(rows // 4, 4, per_row)
+    word = np.int32 if ops.xp is np else torch.int32
+    mask_rows, dropped_rows = ops.array(mask), ops.array(dropped)
+    mask_words, dropped_words = (
+        a.view(word).reshape(rows // 4, 4, per_row) for a in (mask_rows, dropped_rows)
+    )
     for r0 in range(0, rows // 4, band):
-        codes = tile_codes(ops, mask_rows[4 * r0 : 4 * (r0 + band)])
+        lines = slice(4 * r0, 4 * (r0 + band))
+        codes = tile_codes(ops, mask_rows[lines] & ~dropped_rows[lines])
         count = ops.take(tables.count, codes)
         if bool((count == 0).any()):
-            return None  # (what was written to ``grown`` is discarded)
+            return r0
         choice = ops.nonzero(count > 1)
+        tile_row, tile_col = choice // per_row + r0, choice % per_row
+        lost = [dropped_words[tile_row, r, tile_col] for r in range(4)]
+        dropped_words[r0 : r0 + band] = 0  # a single completion regrows what it dropped
         if len(choice) == 0:
             continue
         codes, count = codes[choice], count[choice]
@@ -305,27 +320,14 @@ def refill_tiles(
             pattern = ops.take(tables.completions, ops.take(tables.first, codes) + pick)
         else:
             pattern = _best_completions(ops, keys(tiles), codes, count, tables)
-        added = ops.take(tables.codes, pattern) & ~codes
-        tile_row, tile_col = tiles // per_row, tiles % per_row
+        tile = ops.take(tables.codes, pattern)
         for r in range(4):
-            nibble = (added >> (4 * r)) & 0xF
-            words[tile_row, r, tile_col] = ops.take(tables.nibble_word, nibble)
-    return grown
-
-
-def _refill_tiles_compiled(
-    ops: Ops, survivors: Tensor, keys: TileKeys | None, seed: int, out: Tensor | None
-) -> Tensor | None:
-    """:func:`refill_tiles` in one compiled loop over the tiles (the same choices, see
-    :func:`~lightning_sparse.cpu_kernels.refill_tiles`)."""
-    grown = torch.empty_like(survivors) if out is None else out.view(survivors.shape)
-    flags = [ops.array(t).view(np.uint32) for t in (survivors, grown)]
-    values = None if keys is None else keys.values
-    magnitude = keys is not None and keys.magnitude
-    offset = np.uint64(_seed_offset(seed))
-    tables = _compact_tile_tables()
-    done = cpu_kernels.refill_tiles(*flags, values, magnitude, offset, *tables)
-    return grown if done else None
+            kept, added = (tile >> (4 * r)) & 0xF, ((tile & ~codes) >> (4 * r)) & 0xF
+            mask_words[tile_row, r, tile_col] = ops.take(tables.nibble_word, kept)
+            dropped_words[tile_row, r, tile_col] = lost[r] ^ ops.take(
+                tables.nibble_word, added
+            )
+    return rows // 4
 
 
 @functools.cache

@@ -24,8 +24,8 @@ from lightning_sparse.algorithms.nm_refill import (
     GroupKeys,
     Keys,
     TileKeys,
-    refill_groups,
-    refill_tiles,
+    refill_groups_,
+    refill_tiles_,
 )
 from lightning_sparse.array_ops import Ops, ops_for
 from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
@@ -43,37 +43,35 @@ class Regrowth:
         """A bool mask of ``k`` entries outside ``survivors`` (written into ``out`` if given)."""
         raise NotImplementedError
 
-    def refill(
-        self,
-        survivors: Tensor,
-        dropped: Tensor,
-        target: NM,
-        select: Select,
-        out: Tensor | None = None,
-    ) -> Tensor:
-        """A bool mask of entries outside ``survivors`` (just ``dropped`` from a valid N:M
-        mask) that brings every group of ``target.m`` back to ``target.n`` active entries, the
+    def refill_(
+        self, mask: Tensor, dropped: Tensor, target: NM, select: Select
+    ) -> None:
+        """Bring every group of ``target.m`` of ``mask`` (a valid N:M mask before the drop)
+        that lost entries to ``dropped`` (a subset of it) back to ``target.n``, in place, the
         way ``select`` lays masks out: transposable 2:4 tiles where the built-in ``select``
         makes them, else groups along the input dimension (see
-        :mod:`~lightning_sparse.algorithms.nm_refill`). A custom ``select`` chooses the whole
-        mask from scores in which the survivors come first."""
-        layout = _layout(select, survivors, target)
-        grown = None
-        ops = ops_for(survivors, *self._values())
-        if layout == "tiles":  # None if the mask was not transposable
+        :mod:`~lightning_sparse.algorithms.nm_refill`); from a tile whose survivors fit no 2:4
+        pattern on, by groups. ``dropped`` becomes the entries that changed. A custom
+        ``select`` chooses the whole mask from scores in which the survivors come first."""
+        layout = _layout(select, mask, target)
+        ops = ops_for(mask, *self._values())
+        rows = slice(None)
+        if layout == "tiles":
             keys, seed = self._tile_keys(ops)
-            grown = refill_tiles(ops, survivors, dropped, keys, seed, out=out)
-        elif layout == "groups":
-            keys, seed = self._group_keys(ops, target)
-            grown = refill_groups(ops, survivors, target, keys, seed, out=out)
-        if grown is None:
-            scores = self._scores(survivors)
-            low, high = torch.aminmax(scores)
-            bonus = 16 * (high - low) + 1
-            grown = (
-                select(torch.where(survivors, bonus, scores - low), target) & ~survivors
-            )
-        return grown
+            done = 4 * refill_tiles_(ops, mask, dropped, keys, seed)
+            layout, rows = "groups", slice(done, None)
+        if layout == "groups":
+            if rows.start != mask.shape[0]:
+                keys, seed = self._group_keys(ops, target, rows)
+                refill_groups_(ops, mask[rows], dropped[rows], target, keys, seed)
+            return
+        survivors = mask & ~dropped
+        scores = self._scores(mask)
+        low, high = torch.aminmax(scores)
+        bonus = 16 * (high - low) + 1
+        grown = select(torch.where(survivors, bonus, scores - low), target) & ~survivors
+        mask.copy_(survivors | grown)
+        dropped ^= grown
 
     def _values(self) -> tuple[Tensor, ...]:
         """The tensors the keys come from (they decide between NumPy and torch)."""
@@ -83,12 +81,13 @@ class Regrowth:
         """A score for every entry (a custom ``select`` ranks the whole tensor)."""
         raise NotImplementedError
 
-    def _group_keys(self, ops: Ops, target: NM) -> tuple[Keys | None, int]:
-        """The keys of :func:`refill_groups` (``None``: random) and its seed."""
+    def _group_keys(self, ops: Ops, target: NM, rows: slice) -> tuple[Keys | None, int]:
+        """The keys of :func:`refill_groups_` for these ``rows`` of the weight (``None``:
+        random) and its seed."""
         raise NotImplementedError
 
     def _tile_keys(self, ops: Ops) -> tuple[Keys | None, int]:
-        """The keys of :func:`refill_tiles` (``None``: random) and its seed."""
+        """The keys of :func:`refill_tiles_` (``None``: random) and its seed."""
         raise NotImplementedError
 
 
@@ -112,8 +111,8 @@ class ByScore(Regrowth):
         scores = self.score.reshape(like.shape)
         return scores.abs() if self.magnitude else scores
 
-    def _group_keys(self, ops: Ops, target: NM) -> tuple[Keys | None, int]:
-        values = ops.array(self.score.detach())
+    def _group_keys(self, ops: Ops, target: NM, rows: slice) -> tuple[Keys | None, int]:
+        values = ops.array(self.score.detach())[rows]
         return GroupKeys(ops, values, target.m, self.magnitude), 0
 
     def _tile_keys(self, ops: Ops) -> tuple[Keys | None, int]:
@@ -132,8 +131,9 @@ class AtRandom(Regrowth):
     def _scores(self, like: Tensor) -> Tensor:
         return random_score(like, self.seed)
 
-    def _group_keys(self, ops: Ops, target: NM) -> tuple[Keys | None, int]:
-        return None, self.seed  # a hash of (seed, position): however groups are split
+    def _group_keys(self, ops: Ops, target: NM, rows: slice) -> tuple[Keys | None, int]:
+        # a hash of (seed, position in the rows): however groups are split
+        return None, self.seed
 
     def _tile_keys(self, ops: Ops) -> tuple[Keys | None, int]:
         return None, self.seed
