@@ -1,12 +1,13 @@
 """Refilling N:M groups and transposable 2:4 tiles: the exact rule, checked against brute force
 (exact arithmetic, every pattern), on the NumPy and the torch paths."""
 
+import sys
 from fractions import Fraction
 
 import pytest
 import torch
 
-from lightning_sparse import array_ops
+from lightning_sparse import array_ops, cpu_kernels
 from lightning_sparse.algorithms.nm_refill import (
     GroupKeys,
     TileKeys,
@@ -259,3 +260,18 @@ def test_compiled_groups_choose_what_the_array_ops_choose(
     new = (survivors | compiled).view(-1, target.m)
     assert bool((new.sum(1) == target.n).all())
     assert torch.equal(compiled, expected)
+
+
+def test_tiles_on_a_big_endian_machine_take_the_array_ops(monkeypatch):
+    """The compiled tile loop reads 4 flags as a little-endian word; elsewhere the array ops
+    (which read words in native order) refill, with the same result."""
+    mask = optimal_transposable_2to4_mask(
+        torch.rand(16, 16, generator=torch.Generator().manual_seed(8))
+    )
+    dropped = dropped_from(mask, 0.5, 9)
+    survivors = mask & ~dropped
+    ops = ops_for(mask)
+    compiled, _ = grown_by(random_refill(ops, 4), survivors, dropped)
+    monkeypatch.setattr(sys, "byteorder", "big")
+    monkeypatch.setattr(cpu_kernels, "refill_tiles", None)  # not called
+    assert torch.equal(grown_by(random_refill(ops, 4), survivors, dropped)[0], compiled)

@@ -284,9 +284,12 @@ def refill_tiles_(
     unless the survivors of some tile fit no pattern (a mask that was not transposable); the
     tile rows after those are left as they were."""
     rows, cols = mask.shape
-    if sys.byteorder != "little":
-        return 0
-    if ops.xp is np and _compiled_loop_reads(keys, TileKeys):
+    # (the compiled loop reads 4 flags as a little-endian word; the array ops any order)
+    if (
+        ops.xp is np
+        and sys.byteorder == "little"
+        and _compiled_loop_reads(keys, TileKeys)
+    ):
         flags = [ops.array(t).view(np.uint32) for t in (mask, dropped)]
         values = None if keys is None else keys.values
         magnitude = keys is not None and keys.magnitude
