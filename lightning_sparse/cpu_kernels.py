@@ -97,9 +97,8 @@ def threshold_pass(
             hits[j] = b
             block_sure += s
             in_band += b
-        if (
-            n_band + in_band >= band.shape[0]
-        ):  # (listing stores one past the last entry)
+        # (listing stores one past the last band entry, so that one must fit too)
+        if n_band + in_band >= band.shape[0]:
             return n_sure, n_band, first
         n_sure += block_sure
         if in_band:

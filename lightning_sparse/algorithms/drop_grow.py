@@ -110,9 +110,8 @@ def drop_and_grow_(
     returns a bool tensor of the entries that changed (dropped and not regrown, or regrown and
     not dropped; a reused buffer, valid until the next call)."""
     n_active = count_true(mask)
-    if isinstance(
-        target, NM
-    ):  # drop and refill in place: the dropped become the changed
+    if isinstance(target, NM):
+        # drop and refill in place: the dropped entries become the changed ones
         changed = smallest_active(weight, mask, n_drop, n_active)  # slot 0
         regrowth.refill_(mask, changed, target, select)
         return changed

@@ -55,13 +55,14 @@ class Regrowth:
         ``select`` chooses the whole mask from scores in which the survivors come first."""
         layout = _layout(select, mask, target)
         ops = ops_for(mask, *self._values())
-        rows = slice(None)
+        done = 0  # leading rows refilled
         if layout == "tiles":
             keys, seed = self._tile_keys(ops)
             done = 4 * refill_tiles_(ops, mask, dropped, keys, seed)
-            layout, rows = "groups", slice(done, None)
+            layout = "groups"  # the rows the tiles left, if any
         if layout == "groups":
-            if rows.start != mask.shape[0]:
+            if done < mask.shape[0]:
+                rows = slice(done, None)
                 keys, seed = self._group_keys(ops, target, rows)
                 refill_groups_(ops, mask[rows], dropped[rows], target, keys, seed)
             return
