@@ -162,12 +162,15 @@ def as_multiplier(mask: Tensor) -> Tensor:
 
 def multiply_by_mask_(tensor: Tensor, mask: Tensor) -> None:
     """``tensor *= mask`` for a bool ``mask`` shaped like ``tensor``: pruned entries become zeros
-    carrying the sign of what they held (``-0.0`` for a negative value), as ``mul_`` writes."""
+    carrying the sign of what they held (``-0.0`` for a negative value), as ``mul_`` writes.
+    On the CPU in one compiled loop (float32/64) or a NumPy one; elsewhere by ``mul_``."""
     values, flags = numpy_view(tensor), numpy_view(mask)
     if values is None or flags is None:
         tensor.mul_(as_multiplier(mask))
-        return
-    np.multiply(values, flags, out=values)
+    elif cpu_kernels.accepts(values):
+        cpu_kernels.multiply(values.reshape(-1), flags.reshape(-1).view(np.uint8))
+    else:
+        np.multiply(values, flags, out=values)
 
 
 def zero_where_(tensor: Tensor, where: Tensor) -> None:

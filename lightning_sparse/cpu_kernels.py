@@ -5,8 +5,9 @@ with two thresholds, combines the results with an eligibility mask and lists the
 between runs 8 loops, each streaming its operands through the cache. :func:`threshold_pass` does
 all of that in one vectorized loop per block of :data:`BLOCK` entries (and lists the few band
 entries of a block from a word-wise scan), about 3x faster on a large float32 tensor.
-:func:`multiply_where` and :func:`zero_where` zero dropped weights and the optimizer state of
-changed entries in one vectorized loop per tensor. :func:`refill_groups` refills N:M groups and
+:func:`multiply` masks a tensor (a gradient) in one vectorized loop, 4x faster than torch's
+``mul_`` by a ``uint8`` mask (which casts element by element); :func:`multiply_where` and
+:func:`zero_where` zero dropped weights and the optimizer state of changed entries likewise. :func:`refill_groups` refills N:M groups and
 :func:`refill_tiles` a transposable 2:4 mask, each in place in one loop over the groups
 (tiles). Each gives the bits its NumPy counterpart gives (see :mod:`~lightning_sparse.top_k`,
 :func:`~lightning_sparse.array_ops.apply_mask_change_` and
@@ -116,6 +117,14 @@ def threshold_pass(
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def multiply(values, mask):
+    """``values *= mask`` (flat arrays of one length; the mask as uint8): a pruned value
+    becomes a zero of its sign, as ``torch.mul_`` writes."""
+    for j in range(mask.shape[0]):
+        values[j] = values[j] * mask[j]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def multiply_where(values, mask, changed):
     """``values *= mask`` where ``changed`` is set (flat arrays of one length; masks as uint8):
     a dropped value becomes a zero of its sign, as multiplying by the mask writes."""
@@ -154,10 +163,69 @@ def refill_groups(mask, changed, n, keys, magnitude, offset) -> None:
     positions are the highest float64 ``keys`` (``|keys|`` with ``magnitude``; shaped like
     ``mask``), or with ``keys`` ``None`` the highest :func:`uniform_bits` of the flat
     position, ranked as the NumPy path ranks them for ``m <= 8``: by pairwise ``>``, the lower
-    column first on a tie, NaN as ``-inf``, survivors above all. Groups of 2, 4 and 8 run a
-    loop compiled for their size (about 2x faster than one reading ``m``)."""
+    column first on a tie, NaN as ``-inf``, survivors above all. Groups of 2 and 8 run a
+    loop compiled for their size (about 2x faster than one reading ``m``), groups of 4 one
+    written out for them (:func:`_refill_groups_of_4`, 1.5x faster again)."""
     kernel = _GROUP_KERNELS.get(mask.shape[1], _GROUP_KERNELS[0])
     kernel(mask, changed, n, keys, magnitude, offset)
+
+
+@njit(inline="always")
+def _group_score(keys, g, c, magnitude, offset, taken):
+    """Entry ``c`` of group ``g`` as :func:`refill_groups` ranks it: ``inf`` if ``taken``."""
+    if keys is None:
+        v = np.float64(uniform_bits(g * 4 + c, offset))
+    else:
+        v = np.float64(abs(keys[g, c]) if magnitude else keys[g, c])
+        v = -np.inf if np.isnan(v) else v
+    return np.inf if taken else v
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _refill_groups_of_4(mask, changed, n, keys, magnitude, offset):
+    """:func:`refill_groups` for groups of 4 (C-contiguous arrays): the drop on words of 4
+    flags, and the ranking of each short group in registers (12 comparisons, no loops)."""
+    words = mask.view(np.uint32).reshape(-1)
+    lost = changed.view(np.uint32).reshape(-1)
+    short = np.empty(BLOCK, np.int64)
+    groups = words.shape[0]
+    one = np.uint8(1)
+    for first in range(0, groups, BLOCK):
+        n_short = 0
+        for g in range(first, min(first + BLOCK, groups)):
+            survivors = words[g] & ~lost[g]
+            words[g] = survivors
+            # the sum of the 4 flag bytes lands in the top byte (in either byte order)
+            kept = ((survivors * np.uint32(0x01010101)) >> np.uint32(24)) & np.uint32(
+                0xFF
+            )
+            short[n_short] = g
+            n_short += kept < n
+        for g in short[:n_short]:
+            t0, t1, t2, t3 = mask[g, 0], mask[g, 1], mask[g, 2], mask[g, 3]
+            s0 = _group_score(keys, g, 0, magnitude, offset, t0 != 0)
+            s1 = _group_score(keys, g, 1, magnitude, offset, t1 != 0)
+            s2 = _group_score(keys, g, 2, magnitude, offset, t2 != 0)
+            s3 = _group_score(keys, g, 3, magnitude, offset, t3 != 0)
+            # ahead of c: higher, or as high and to its left
+            a0 = np.int64(s1 > s0) + np.int64(s2 > s0) + np.int64(s3 > s0)
+            a1 = np.int64(s0 >= s1) + np.int64(s2 > s1) + np.int64(s3 > s1)
+            a2 = np.int64(s0 >= s2) + np.int64(s1 >= s2) + np.int64(s3 > s2)
+            a3 = np.int64(s0 >= s3) + np.int64(s1 >= s3) + np.int64(s2 >= s3)
+            g0 = np.uint8(a0 < n) & (t0 ^ one)
+            g1 = np.uint8(a1 < n) & (t1 ^ one)
+            g2 = np.uint8(a2 < n) & (t2 ^ one)
+            g3 = np.uint8(a3 < n) & (t3 ^ one)
+            mask[g, 0], mask[g, 1], mask[g, 2], mask[g, 3] = (
+                t0 | g0,
+                t1 | g1,
+                t2 | g2,
+                t3 | g3,
+            )
+            changed[g, 0] ^= g0
+            changed[g, 1] ^= g1
+            changed[g, 2] ^= g2
+            changed[g, 3] ^= g3
 
 
 @njit(inline="always", boundscheck=False)
@@ -207,7 +275,8 @@ def _group_kernel(m: int):
     return kernel
 
 
-_GROUP_KERNELS = {m: _group_kernel(m) for m in (0, 2, 4, 8)}
+_GROUP_KERNELS = {m: _group_kernel(m) for m in (0, 2, 8)}
+_GROUP_KERNELS[4] = _refill_groups_of_4
 
 
 PAIR_COLUMNS = np.array([[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]])
@@ -265,13 +334,20 @@ def refill_tiles(
                 left = 4 * tile_col
                 check = 0.0
                 for r in range(4):  # the sums of the 6 column pairs of each row
-                    k = keys[top + r, left : left + 4]
-                    for q in range(6):
-                        a, b = k[PAIR_COLUMNS[q, 0]], k[PAIR_COLUMNS[q, 1]]
-                        if magnitude:
-                            a, b = abs(a), abs(b)
-                        sums[6 * r + q] = np.float64(a) + np.float64(b)
-                    check += sums[6 * r] + sums[6 * r + 5]  # NaN if a key of the row is
+                    a = np.float64(keys[top + r, left])
+                    b = np.float64(keys[top + r, left + 1])
+                    c = np.float64(keys[top + r, left + 2])
+                    d = np.float64(keys[top + r, left + 3])
+                    if magnitude:
+                        a, b, c, d = abs(a), abs(b), abs(c), abs(d)
+                    # (in the order of PAIR_COLUMNS, written out: 15% faster than indexing it)
+                    sums[6 * r], sums[6 * r + 1], sums[6 * r + 2] = a + b, a + c, a + d
+                    sums[6 * r + 3], sums[6 * r + 4], sums[6 * r + 5] = (
+                        b + c,
+                        b + d,
+                        c + d,
+                    )
+                    check += (a + b) + (c + d)  # NaN if a key of the row is
                 if np.isnan(check):
                     best = _first_best_or_nan(sums, start, n, pairs)
                 else:

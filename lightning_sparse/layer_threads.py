@@ -44,13 +44,17 @@ def update_threads(layers_in_parallel: bool, params: Sequence[torch.Tensor]) -> 
     """How many threads a mask update over ``params`` uses: ``torch.get_num_threads()`` (at
     most one per layer) when the algorithm allows ``layers_in_parallel`` and every parameter
     is a plain CPU tensor, else 1."""
-    if not layers_in_parallel or len(params) < 2:
-        return 1
-    if any(type(p.detach()) is not torch.Tensor for p in params):
-        return 1  # sharded (DTensor): gathers must run in the same order on every rank
-    if any(p.device.type != "cpu" for p in params):
+    if not layers_in_parallel or len(params) < 2 or not plain_cpu(params):
         return 1
     return max(1, min(torch.get_num_threads(), len(params)))
+
+
+def plain_cpu(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is a plain CPU tensor: not sharded (a DTensor's gathers must run
+    in the same order on every rank), not on a GPU (whose work is asynchronous already)."""
+    return all(
+        type(t.detach()) is torch.Tensor and t.device.type == "cpu" for t in tensors
+    )
 
 
 def for_each_layer(

@@ -107,3 +107,38 @@ def test_bfloat16_weights_update_exactly():
                 )
                 assert not bool((net.weight[~mask] != 0).any())
             sp.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(threads):
+    """Plain CPU gradients are masked by compiled loops on torch's threads (float32/64), NumPy
+    (float16) or torch (bfloat16): always the bits of ``grad * mask`` (signed zeros, NaN)."""
+    torch.manual_seed(0)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+    net = nn.ModuleList(nn.Linear(64, 32, bias=False).to(dtype) for dtype in dtypes)
+    for layer in net:  # pruned: the gradients' first entries are masked
+        layer.weight.data.view(-1)[:4] = 0
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    phase = Phase(sparsity=0.5)
+    sp = Sparsifier(
+        "g",
+        select_parameters(net, params=["weight"]).targets,
+        resolve_phases([phase], 10),
+    )
+    sp.on_step_start(0, [opt])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        expected = []
+        for layer in net:
+            grad = torch.randn(32, 64).to(layer.weight.dtype)
+            grad.view(-1)[:4] = torch.tensor([float("nan"), -1.0, float("-inf"), 0.0])
+            layer.weight.grad = grad
+        for name, layer in zip(sp.masks, net):
+            expected.append(layer.weight.grad * sp.masks[name])
+        sp.before_optimizer_step(1, opt, [opt])
+    finally:
+        torch.set_num_threads(before)
+    for layer, want in zip(net, expected):
+        kind = {2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
+        assert torch.equal(layer.weight.grad.view(kind), want.view(kind))
