@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_sparse import layer_threads, sparsifier
 from lightning_sparse.schedule import Phase, resolve_phases
 from lightning_sparse.selection import select_parameters
 from lightning_sparse.sparsifier import Sparsifier
@@ -110,35 +111,78 @@ def test_bfloat16_weights_update_exactly():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(threads):
+def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
+    threads, monkeypatch
+):
     """Plain CPU gradients are masked by compiled loops on torch's threads (float32/64), NumPy
     (float16) or torch (bfloat16): always the bits of ``grad * mask`` (signed zeros, NaN)."""
+    workers = []
+
+    def for_each_layer(work, items, sizes, n):
+        workers.append(n)
+        return layer_threads.for_each_layer(work, items, sizes, n)
+
+    monkeypatch.setattr(sparsifier, "for_each_layer", for_each_layer)
+    monkeypatch.setattr(
+        sparsifier, "THREADED_GRADIENT_MASKING", 0
+    )  # threads for any size
     torch.manual_seed(0)
     dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
     net = nn.ModuleList(nn.Linear(64, 32, bias=False).to(dtype) for dtype in dtypes)
     for layer in net:  # pruned: the gradients' first entries are masked
         layer.weight.data.view(-1)[:4] = 0
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    phase = Phase(sparsity=0.5)
     sp = Sparsifier(
         "g",
         select_parameters(net, params=["weight"]).targets,
-        resolve_phases([phase], 10),
+        resolve_phases([Phase(sparsity=0.5)], 10),
     )
     sp.on_step_start(0, [opt])
+    expected = []
+    for name, layer in zip(sp.masks, net):
+        grad = torch.randn(32, 64).to(layer.weight.dtype)
+        grad.view(-1)[:4] = torch.tensor([float("nan"), -1.0, float("-inf"), 0.0])
+        layer.weight.grad = grad
+        expected.append(grad * sp.masks[name])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        expected = []
-        for layer in net:
-            grad = torch.randn(32, 64).to(layer.weight.dtype)
-            grad.view(-1)[:4] = torch.tensor([float("nan"), -1.0, float("-inf"), 0.0])
-            layer.weight.grad = grad
-        for name, layer in zip(sp.masks, net):
-            expected.append(layer.weight.grad * sp.masks[name])
         sp.before_optimizer_step(1, opt, [opt])
     finally:
         torch.set_num_threads(before)
+    assert workers == [threads]
     for layer, want in zip(net, expected):
         kind = {2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
         assert torch.equal(layer.weight.grad.view(kind), want.view(kind))
+
+
+def test_small_gradients_are_masked_on_the_calling_thread(monkeypatch):
+    """Below THREADED_GRADIENT_MASKING entries, handing layers to threads costs more than it
+    saves: the caller's thread masks them."""
+    workers = []
+    monkeypatch.setattr(
+        sparsifier,
+        "for_each_layer",
+        lambda work, items, sizes, n: workers.append(n) or [work(i) for i in items],
+    )
+    net = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sp = Sparsifier(
+        "g",
+        select_parameters(net, params=["weight"]).targets,
+        resolve_phases([Phase(sparsity=0.5)], 10),
+    )
+    sp.on_step_start(0, [opt])
+    for p in net.parameters():
+        p.grad = torch.randn(64, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sp.before_optimizer_step(1, opt, [opt])
+    finally:
+        torch.set_num_threads(before)
+    assert workers == [1]
+    assert all(
+        not bool(p.grad[~mask].any())
+        for p, mask in zip(net.parameters(), sp.masks.values())
+    )
