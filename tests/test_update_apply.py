@@ -110,12 +110,9 @@ def test_bfloat16_weights_update_exactly():
             sp.close()
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
-    threads, monkeypatch
-):
-    """Plain CPU gradients are masked by compiled loops on torch's threads (float32/64), NumPy
-    (float16) or torch (bfloat16): always the bits of ``grad * mask`` (signed zeros, NaN)."""
+def mask_gradients_at(net, grads, threads, monkeypatch):
+    """One hard-mask step (static 50%) of ``net`` with ``grads`` at ``threads`` torch threads:
+    the masks, and the worker counts gradient masking asked ``for_each_layer`` for."""
     workers = []
 
     def for_each_layer(work, items, sizes, n):
@@ -123,14 +120,6 @@ def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
         return layer_threads.for_each_layer(work, items, sizes, n)
 
     monkeypatch.setattr(sparsifier, "for_each_layer", for_each_layer)
-    monkeypatch.setattr(
-        sparsifier, "THREADED_GRADIENT_MASKING", 0
-    )  # threads for any size
-    torch.manual_seed(0)
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-    net = nn.ModuleList(nn.Linear(64, 32, bias=False).to(dtype) for dtype in dtypes)
-    for layer in net:  # pruned: the gradients' first entries are masked
-        layer.weight.data.view(-1)[:4] = 0
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     sp = Sparsifier(
         "g",
@@ -138,20 +127,37 @@ def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
         resolve_phases([Phase(sparsity=0.5)], 10),
     )
     sp.on_step_start(0, [opt])
-    expected = []
-    for name, layer in zip(sp.masks, net):
-        grad = torch.randn(32, 64).to(layer.weight.dtype)
-        grad.view(-1)[:4] = torch.tensor([float("nan"), -1.0, float("-inf"), 0.0])
-        layer.weight.grad = grad
-        expected.append(grad * sp.masks[name])
+    for p, grad in zip(net.parameters(), grads):
+        p.grad = grad.clone()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         sp.before_optimizer_step(1, opt, [opt])
     finally:
         torch.set_num_threads(before)
+    return list(sp.masks.values()), workers
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
+    threads, monkeypatch
+):
+    """Plain CPU gradients are masked by compiled loops on torch's threads (float32/64), NumPy
+    (float16) or torch (bfloat16): always the bits of ``grad * mask`` (signed zeros, NaN)."""
+    monkeypatch.setattr(sparsifier, "THREADED_GRADIENT_MASKING", 0)  # any size
+    torch.manual_seed(0)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+    net = nn.ModuleList(nn.Linear(64, 32, bias=False).to(dtype) for dtype in dtypes)
+    grads = []
+    for layer in net:  # pruned: their first entries, where the gradients are special
+        layer.weight.data.view(-1)[:4] = 0
+        grad = torch.randn(32, 64).to(layer.weight.dtype)
+        grad.view(-1)[:4] = torch.tensor([float("nan"), -1.0, float("-inf"), 0.0])
+        grads.append(grad)
+    masks, workers = mask_gradients_at(net, grads, threads, monkeypatch)
     assert workers == [threads]
-    for layer, want in zip(net, expected):
+    for layer, grad, mask in zip(net, grads, masks):
+        want = grad * mask
         kind = {2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
         assert torch.equal(layer.weight.grad.view(kind), want.view(kind))
 
@@ -159,30 +165,9 @@ def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
 def test_small_gradients_are_masked_on_the_calling_thread(monkeypatch):
     """Below THREADED_GRADIENT_MASKING entries, handing layers to threads costs more than it
     saves: the caller's thread masks them."""
-    workers = []
-    monkeypatch.setattr(
-        sparsifier,
-        "for_each_layer",
-        lambda work, items, sizes, n: workers.append(n) or [work(i) for i in items],
-    )
     net = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    sp = Sparsifier(
-        "g",
-        select_parameters(net, params=["weight"]).targets,
-        resolve_phases([Phase(sparsity=0.5)], 10),
-    )
-    sp.on_step_start(0, [opt])
-    for p in net.parameters():
-        p.grad = torch.randn(64, 64)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        sp.before_optimizer_step(1, opt, [opt])
-    finally:
-        torch.set_num_threads(before)
+    grads = [torch.randn(64, 64), torch.randn(64, 64)]
+    masks, workers = mask_gradients_at(net, grads, 2, monkeypatch)
     assert workers == [1]
-    assert all(
-        not bool(p.grad[~mask].any())
-        for p, mask in zip(net.parameters(), sp.masks.values())
-    )
+    for p, grad, mask in zip(net.parameters(), grads, masks):
+        assert torch.equal(p.grad, grad * mask)
