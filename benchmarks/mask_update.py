@@ -7,18 +7,23 @@ mask update and the AdamW step (torch's default AdamW, state already allocated) 
 tensors. Everything runs in this process, interleaved, with the same number of threads.
 
 For each algorithm (starting from the same dense weights), ``Sparsifier.before_optimizer_step``
-is timed at update steps and at plain steps, each followed by an (untimed) optimizer step, with
-different gradients at consecutive updates, as in training. A plain step only masks the
+is timed at ``--updates`` update steps (default 4) and as many plain steps, each followed by an
+optimizer step (timed apart), with different gradients at consecutive updates, as in training. The
+first update of a phase also pays one-time costs (the 2:4 tile tables, built once per process;
+buffers touched for the first time), about 0.1 s, which the medians of 4 leave out as the
+outlier they are; ``--updates 1`` shows them. A plain step only masks the
 gradients (every hard-mask step pays that); an update step also checks finiteness, chooses the
 new masks, zeroes the weights and optimizer state whose mask changed, and then masks the
 gradients. "Mask update" is the difference of the medians; "update / AdamW step" is the median,
 over the repeats, of each run's update cost divided by the AdamW step timed just before that run
 (with the lowest and highest in brackets: this machine's memory speed drifts by up to 30%
 between minutes, and pairing each run with its own AdamW step cancels most of it); "phase
-start" is choosing the first masks when the phase begins.
+start" is choosing the first masks when the phase begins; "AdamW step in the phase" is the
+optimizer step after each timed step (the masked gradients leave exact zeros in AdamW's
+``exp_avg_sq``, and torch's default CPU AdamW computes ``sqrt`` of zeros slowly on AVX-512).
 
-    python benchmarks/mask_update.py                  # ~5 minutes, ~6 GB, 1 thread
-    python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms set rigl
+    python benchmarks/mask_update.py                  # ~7 minutes, ~6 GB, 1 thread
+    python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms "set 90%" "rigl 2:4"
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--updates", type=int, default=4, help="update steps timed per run"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -124,7 +132,7 @@ def main() -> None:
     targets = select_parameters(model, params=["*"]).targets
     adamw: list[float] = []
     times = {
-        name: {"start": [], "update": [], "plain": [], "ratio": []}
+        name: {"start": [], "update": [], "plain": [], "ratio": [], "adamw": []}
         for name in args.algorithms
     }
     for repeat in range(args.repeats):
@@ -142,7 +150,7 @@ def main() -> None:
             )
             if sparsifier.algorithm is not None and sparsifier.algorithm.dynamic:
                 run: dict[str, list[float]] = {"update": [], "plain": []}
-                for step in (1, 2, 3, 4):
+                for step in range(1, 2 * args.updates + 1):
                     fresh_gradients(step)
                     kind = (
                         "update"
@@ -156,7 +164,9 @@ def main() -> None:
                             )
                         )
                     )
-                    optimizer.step()  # as in training: regrown weights move off zero
+                    # as in training: regrown weights move off zero (and the masked
+                    # gradients leave zeros in exp_avg_sq, which torch's sqrt is slow on)
+                    record["adamw"].append(seconds(optimizer.step))
                 # this run's update cost against the AdamW step timed just before it
                 cost = median(run["update"]) - median(run["plain"])
                 record["ratio"].append(cost / adamw[-1])
@@ -175,12 +185,12 @@ def main() -> None:
                 flush=True,
             )
     base = median(adamw)
-    rows = [["AdamW step (torch default)", "-", f"{base * 1e3:.0f}", "1.00x", "-"]]
+    rows = [["AdamW step (torch default)", "-", f"{base * 1e3:.0f}", "1.00x", "-", "-"]]
     for name in args.algorithms:
         record = times[name]
         start = f"{median(record['start']) * 1e3:.0f}"
         if not record["update"]:
-            rows.append([name, "-", "-", "-", start])
+            rows.append([name, "-", "-", "-", start, "-"])
             continue
         plain = median(record["plain"])
         cost = median(record["update"]) - plain
@@ -192,6 +202,7 @@ def main() -> None:
                 f"{cost * 1e3:.0f}",
                 f"{median(ratios):.2f}x ({ratios[0]:.2f} to {ratios[-1]:.2f})",
                 start,
+                f"{median(record['adamw']) * 1e3:.0f}",
             ]
         )
     print()
@@ -203,6 +214,7 @@ def main() -> None:
                 "mask update (ms)",
                 "update / AdamW step",
                 "phase start (ms)",
+                "AdamW step in the phase (ms)",
             ],
             rows,
         )

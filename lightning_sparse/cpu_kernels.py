@@ -7,10 +7,10 @@ all of that in one vectorized loop per block of :data:`BLOCK` entries (and lists
 entries of a block from a word-wise scan), about 3x faster on a large float32 tensor.
 :func:`multiply` masks a tensor (a gradient) in one vectorized loop, 4x faster than torch's
 ``mul_`` by a ``uint8`` mask (which casts element by element); :func:`multiply_where` and
-:func:`zero_where` zero dropped weights and the optimizer state of changed entries likewise. :func:`refill_groups` refills N:M groups and
-:func:`refill_tiles` a transposable 2:4 mask, each in place in one loop over the groups
-(tiles). Each gives the bits its NumPy counterpart gives (see :mod:`~lightning_sparse.top_k`,
-:func:`~lightning_sparse.array_ops.apply_mask_change_` and
+:func:`zero_where` zero dropped weights and the optimizer state of changed entries likewise.
+:func:`refill_groups` refills N:M groups and :func:`refill_tiles` a transposable 2:4 mask, each
+in place in one loop over the groups (tiles). Each gives the bits its NumPy counterpart gives
+(see :mod:`~lightning_sparse.top_k`, :func:`~lightning_sparse.array_ops.apply_mask_change_` and
 :mod:`~lightning_sparse.algorithms.nm_refill`).
 
 They take NumPy arrays of float32 or float64 (:func:`accepts`), with bool masks viewed as
@@ -170,6 +170,10 @@ def refill_groups(mask, changed, n, keys, magnitude, offset) -> None:
     kernel(mask, changed, n, keys, magnitude, offset)
 
 
+_FOUR_BYTES = np.uint32(0x01010101)
+"""Multiplying a uint32 of 4 bytes by this sums them into its top byte."""
+
+
 @njit(inline="always")
 def _group_score(keys, g, c, magnitude, offset, taken):
     """Entry ``c`` of group ``g`` as :func:`refill_groups` ranks it: ``inf`` if ``taken``."""
@@ -196,9 +200,7 @@ def _refill_groups_of_4(mask, changed, n, keys, magnitude, offset):
             survivors = words[g] & ~lost[g]
             words[g] = survivors
             # the sum of the 4 flag bytes lands in the top byte (in either byte order)
-            kept = ((survivors * np.uint32(0x01010101)) >> np.uint32(24)) & np.uint32(
-                0xFF
-            )
+            kept = ((survivors * _FOUR_BYTES) >> np.uint32(24)) & np.uint32(0xFF)
             short[n_short] = g
             n_short += kept < n
         for g in short[:n_short]:
@@ -216,12 +218,8 @@ def _refill_groups_of_4(mask, changed, n, keys, magnitude, offset):
             g1 = np.uint8(a1 < n) & (t1 ^ one)
             g2 = np.uint8(a2 < n) & (t2 ^ one)
             g3 = np.uint8(a3 < n) & (t3 ^ one)
-            mask[g, 0], mask[g, 1], mask[g, 2], mask[g, 3] = (
-                t0 | g0,
-                t1 | g1,
-                t2 | g2,
-                t3 | g3,
-            )
+            mask[g, 0], mask[g, 1] = t0 | g0, t1 | g1
+            mask[g, 2], mask[g, 3] = t2 | g2, t3 | g3
             changed[g, 0] ^= g0
             changed[g, 1] ^= g1
             changed[g, 2] ^= g2
@@ -341,12 +339,9 @@ def refill_tiles(
                     if magnitude:
                         a, b, c, d = abs(a), abs(b), abs(c), abs(d)
                     # (in the order of PAIR_COLUMNS, written out: 15% faster than indexing it)
-                    sums[6 * r], sums[6 * r + 1], sums[6 * r + 2] = a + b, a + c, a + d
-                    sums[6 * r + 3], sums[6 * r + 4], sums[6 * r + 5] = (
-                        b + c,
-                        b + d,
-                        c + d,
-                    )
+                    s = 6 * r
+                    sums[s], sums[s + 1], sums[s + 2] = a + b, a + c, a + d
+                    sums[s + 3], sums[s + 4], sums[s + 5] = b + c, b + d, c + d
                     check += (a + b) + (c + d)  # NaN if a key of the row is
                 if np.isnan(check):
                     best = _first_best_or_nan(sums, start, n, pairs)

@@ -391,11 +391,10 @@ class Sparsifier:
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Zero the gradients of pruned weights. Plain CPU gradients: one compiled loop each
-        (:func:`~lightning_sparse.array_ops.multiply_by_mask_`), on as many threads as torch
-        uses (from :data:`THREADED_GRADIENT_MASKING` entries on), 4-6x faster than torch's
-        ``mul_``; otherwise (GPU, sharded) one fused
-        ``torch._foreach_mul_`` per dtype and device, by the masks' bytes
-        (:func:`~lightning_sparse.array_ops.as_multiplier`)."""
+        (:func:`~lightning_sparse.array_ops.multiply_by_mask_`, 4-6x faster than torch's
+        ``mul_``), on as many threads as torch uses from :data:`THREADED_GRADIENT_MASKING`
+        entries on; otherwise (GPU, sharded) one fused ``torch._foreach_mul_`` per dtype and
+        device, by the masks' bytes (:func:`~lightning_sparse.array_ops.as_multiplier`)."""
         key = id(optimizer)
         if key not in self._grad_lists:
             in_opt = {
