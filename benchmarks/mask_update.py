@@ -17,7 +17,8 @@ new masks, zeroes the weights and optimizer state whose mask changed, and then m
 gradients. "Mask update" is the difference of the medians; "update / AdamW step" is the median,
 over the repeats, of each run's update cost divided by the AdamW step timed just before that run
 (with the lowest and highest in brackets: this machine's memory speed drifts by up to 30%
-between minutes, and pairing each run with its own AdamW step cancels most of it); "phase
+between minutes, and pairing each run with its own AdamW step cancels most of it; that step,
+and every algorithm, starts from the same dense weights and AdamW state); "phase
 start" is choosing the first masks when the phase begins; "AdamW step in the phase" is the
 optimizer step after each timed step (the masked gradients leave exact zeros in AdamW's
 ``exp_avg_sq``, and torch's default CPU AdamW computes ``sqrt`` of zeros slowly on AVX-512).
@@ -123,7 +124,20 @@ def main() -> None:
     fresh_gradients()
     optimizer.step()  # allocate the state
     optimizer.step()  # and touch it once more: the first steps run cold
-    dense = [p.detach().clone() for p in params]  # every algorithm starts from these
+    # every AdamW step timed and every algorithm starts from these weights and AdamW state (not
+    # those an earlier algorithm pruned: zeros change how fast AdamW runs)
+    dense = [p.detach().clone() for p in params]
+    dense_state = [
+        {k: v.clone() for k, v in optimizer.state[p].items()} for p in params
+    ]
+
+    @torch.no_grad()
+    def restore_dense() -> None:
+        for p, w, state in zip(params, dense, dense_state):
+            p.copy_(w)
+            for key, value in state.items():
+                optimizer.state[p][key].copy_(value)
+
     numel = sum(p.numel() for p in params)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
@@ -137,11 +151,10 @@ def main() -> None:
     }
     for repeat in range(args.repeats):
         for name in args.algorithms:
+            restore_dense()
             fresh_gradients()
             adamw.append(seconds(optimizer.step))
-            with torch.no_grad():  # not the weights an earlier algorithm pruned
-                for p, w in zip(params, dense):
-                    p.copy_(w)
+            restore_dense()
             phases = resolve_phases([Phase.from_any(ALGORITHMS[name])], 100_000)
             sparsifier = Sparsifier(name, targets, phases)
             record = times[name]

@@ -142,9 +142,10 @@ def mask_gradients_at(net, grads, threads, monkeypatch):
 def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
     threads, monkeypatch
 ):
-    """Plain CPU gradients are masked by compiled loops on torch's threads (float32/64), NumPy
-    (float16) or torch (bfloat16): always the bits of ``grad * mask`` (signed zeros, NaN)."""
-    monkeypatch.setattr(sparsifier, "THREADED_GRADIENT_MASKING", 0)  # any size
+    """Many plain CPU gradients are masked by compiled loops on torch's threads (float32/64),
+    NumPy (float16) or torch (bfloat16): always the bits of ``grad * mask`` (signed zeros,
+    NaN)."""
+    monkeypatch.setattr(sparsifier, "COMPILED_GRADIENT_MASKING", 0)  # any size
     torch.manual_seed(0)
     dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
     net = nn.ModuleList(nn.Linear(64, 32, bias=False).to(dtype) for dtype in dtypes)
@@ -162,12 +163,12 @@ def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
         assert torch.equal(layer.weight.grad.view(kind), want.view(kind))
 
 
-def test_small_gradients_are_masked_on_the_calling_thread(monkeypatch):
-    """Below THREADED_GRADIENT_MASKING entries, handing layers to threads costs more than it
-    saves: the caller's thread masks them."""
+def test_small_gradients_are_masked_by_torchs_fused_multiply(monkeypatch):
+    """Below COMPILED_GRADIENT_MASKING entries (gradients still in the CPU cache), torch's
+    fused multiply masks them: no compiled loops, no threads."""
     net = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
     grads = [torch.randn(64, 64), torch.randn(64, 64)]
     masks, workers = mask_gradients_at(net, grads, 2, monkeypatch)
-    assert workers == [1]
+    assert workers == []
     for p, grad, mask in zip(net.parameters(), grads, masks):
         assert torch.equal(p.grad, grad * mask)
