@@ -1,6 +1,6 @@
 """Cost of one mask update per algorithm vs one AdamW step over the same GPT-2-small weights (CPU).
 
-The weights are the 124.4 M parameters of GPT-2 small's weight matrices: 12 blocks of
+The weights are the 124.3 M parameters of GPT-2 small's weight matrices: 12 blocks of
 ``attn.c_attn`` 2304x768, ``attn.c_proj`` 768x768, ``mlp.c_fc`` 3072x768 and ``mlp.c_proj``
 768x3072 (84.9 M), plus ``wte`` 50257x768 and ``wpe`` 1024x768. All 50 are sparsified, so the
 mask update and the AdamW step (torch's default AdamW, state already allocated) touch the same
