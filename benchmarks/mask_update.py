@@ -6,22 +6,22 @@ The weights are the 124.3 M parameters of GPT-2 small's weight matrices: 12 bloc
 mask update and the AdamW step (torch's default AdamW, state already allocated) touch the same
 tensors. Everything runs in this process, interleaved, with the same number of threads.
 
-For each algorithm (starting from the same dense weights), ``Sparsifier.before_optimizer_step``
-is timed at ``--updates`` update steps (default 4) and as many plain steps, each followed by an
-optimizer step (timed apart), with different gradients at consecutive updates, as in training. The
-first update of a phase also pays one-time costs (the 2:4 tile tables, built once per process;
-buffers touched for the first time), about 0.1 s, which the medians of 4 leave out as the
-outlier they are; ``--updates 1`` shows them. A plain step only masks the
+For each algorithm, ``Sparsifier.before_optimizer_step`` is timed at ``--updates`` update steps
+(default 4) and as many plain steps, each followed by an optimizer step (timed apart), with
+different gradients at consecutive updates, as in training. A plain step only masks the
 gradients (every hard-mask step pays that); an update step also checks finiteness, chooses the
 new masks, zeroes the weights and optimizer state whose mask changed, and then masks the
-gradients. "Mask update" is the difference of the medians; "update / AdamW step" is the median,
-over the repeats, of each run's update cost divided by the AdamW step timed just before that run
-(with the lowest and highest in brackets: this machine's memory speed drifts by up to 30%
-between minutes, and pairing each run with its own AdamW step cancels most of it; that step,
-and every algorithm, starts from the same dense weights and AdamW state); "phase
-start" is choosing the first masks when the phase begins; "AdamW step in the phase" is the
-optimizer step after each timed step (the masked gradients leave exact zeros in AdamW's
-``exp_avg_sq``, and torch's default CPU AdamW computes ``sqrt`` of zeros slowly on AVX-512).
+gradients. The first update of a phase also pays one-time costs (the 2:4 tile tables, built
+once per process; buffers touched for the first time), about 0.1 s, which the medians of 4
+leave out as the outlier they are (``--updates 1`` shows them). "Mask update" is the difference
+of the medians; "update / AdamW step" is the median, over the repeats, of each run's update
+cost divided by the AdamW step timed just before that run (with the lowest and highest in
+brackets: this machine's memory speed drifts by up to 30% between minutes, and pairing each run
+with its own AdamW step cancels most of it). That step, and every algorithm, starts from the
+same dense weights and AdamW state. "Phase start" is choosing the first masks when the phase
+begins; "AdamW step in the phase" is the optimizer step after each timed step (the masked
+gradients leave exact zeros in AdamW's ``exp_avg_sq``, and torch's default CPU AdamW computes
+``sqrt`` of zeros slowly on AVX-512).
 
     python benchmarks/mask_update.py                  # ~7 minutes, ~6 GB, 1 thread
     python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms "set 90%" "rigl 2:4"
@@ -108,6 +108,9 @@ def main() -> None:
         "--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS)
     )
     args = parser.parse_args()
+    for option in ("repeats", "updates", "threads"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option}={getattr(args, option)}: use 1 or more")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = GPT2SmallWeights()
