@@ -175,10 +175,11 @@ _FOUR_BYTES = np.uint32(0x01010101)
 
 
 @njit(inline="always")
-def _group_score(keys, g, c, magnitude, offset, taken):
-    """Entry ``c`` of group ``g`` as :func:`refill_groups` ranks it: ``inf`` if ``taken``."""
+def _group_score(keys, g, c, m, magnitude, offset, taken):
+    """Entry ``c`` of group ``g`` (of ``m``) as :func:`refill_groups` ranks it: ``inf`` if
+    ``taken``."""
     if keys is None:
-        v = np.float64(uniform_bits(g * 4 + c, offset))
+        v = np.float64(uniform_bits(g * m + c, offset))
     else:
         v = np.float64(abs(keys[g, c]) if magnitude else keys[g, c])
         v = -np.inf if np.isnan(v) else v
@@ -205,10 +206,10 @@ def _refill_groups_of_4(mask, changed, n, keys, magnitude, offset):
             n_short += kept < n
         for g in short[:n_short]:
             t0, t1, t2, t3 = mask[g, 0], mask[g, 1], mask[g, 2], mask[g, 3]
-            s0 = _group_score(keys, g, 0, magnitude, offset, t0 != 0)
-            s1 = _group_score(keys, g, 1, magnitude, offset, t1 != 0)
-            s2 = _group_score(keys, g, 2, magnitude, offset, t2 != 0)
-            s3 = _group_score(keys, g, 3, magnitude, offset, t3 != 0)
+            s0 = _group_score(keys, g, 0, 4, magnitude, offset, t0 != 0)
+            s1 = _group_score(keys, g, 1, 4, magnitude, offset, t1 != 0)
+            s2 = _group_score(keys, g, 2, 4, magnitude, offset, t2 != 0)
+            s3 = _group_score(keys, g, 3, 4, magnitude, offset, t3 != 0)
             # ahead of c: higher, or as high and to its left
             a0 = np.int64(s1 > s0) + np.int64(s2 > s0) + np.int64(s3 > s0)
             a1 = np.int64(s0 >= s1) + np.int64(s2 > s1) + np.int64(s3 > s1)
@@ -245,12 +246,8 @@ def _refill_groups(m, mask, changed, n, keys, magnitude, offset):
             n_short += kept < n
         for g in short[:n_short]:
             for c in range(m):
-                if keys is None:
-                    v = np.float64(uniform_bits(g * m + c, offset))
-                else:
-                    v = np.float64(abs(keys[g, c]) if magnitude else keys[g, c])
-                    v = -np.inf if np.isnan(v) else v
-                scores[c] = np.inf if mask[g, c] else v
+                taken = mask[g, c] != 0
+                scores[c] = _group_score(keys, g, c, m, magnitude, offset, taken)
             for c in range(m):  # ahead of c: higher, or as high and to its left
                 ahead = 0
                 for d in range(c):
