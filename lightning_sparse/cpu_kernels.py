@@ -4,7 +4,8 @@ NumPy runs one operation over a whole array at a time, so a pass that takes ``|x
 with two thresholds, combines the results with an eligibility mask and lists the entries in
 between runs 8 loops, each streaming its operands through the cache. :func:`threshold_pass` does
 all of that in one vectorized loop per block of :data:`BLOCK` entries (and lists the few band
-entries of a block from a word-wise scan), about 3x faster on a large float32 tensor.
+entries of a block bit by bit, from 64 flags packed into a word), about 3x faster on a large
+float32 tensor.
 :func:`multiply` masks a tensor (a gradient) in one vectorized loop, 4x faster than torch's
 ``mul_`` by a ``uint8`` mask (which casts element by element); :func:`multiply_where` and
 :func:`zero_where` zero dropped weights and the optimizer state of changed entries likewise.
@@ -69,12 +70,12 @@ def threshold_pass(
     (compiled separately). NaN is beyond nothing.
 
     Returns ``(sure count, band count, stop)``: ``stop`` is ``len(x)``, or the start of the
-    block whose band entries did not fit in ``band`` with one entry to spare (call again from
+    block whose band entries did not fit in ``band`` (call again from
     there with longer ``band`` and ``band_values`` holding the entries listed so far; the
     counts are of the entries before ``stop``)."""
     n = x.shape[0]
     n_sure = 0
-    hits = np.zeros(BLOCK, np.uint8)  # a block's band flags, cleared as they are listed
+    hits = np.empty(BLOCK, np.uint8)  # a block's band flags
     words = hits.view(np.uint64)
     flip = np.uint8(not keep)  # eligible: flag ^ flip
     no_outer = np.uint8(not has_outer)
@@ -98,22 +99,46 @@ def threshold_pass(
             hits[j] = b
             block_sure += s
             in_band += b
-        # (listing stores one past the last band entry, so that one must fit too)
-        if n_band + in_band >= band.shape[0]:
+        if n_band + in_band > band.shape[0]:
             return n_sure, n_band, first
         n_sure += block_sure
         if in_band:
-            # a word of 8 flags with a band entry is listed by stores, not branches: which of
-            # its entries are in the band is unpredictable (hits past ``length`` are 0)
-            for w in range((length + 7) // 8):
-                if words[w]:
-                    for j in range(8 * w, 8 * w + 8):
-                        v = xs[min(j, length - 1)]
-                        band[n_band] = first + j
-                        band_values[n_band] = abs(v) if magnitude else v
-                        n_band += hits[j]
-                        hits[j] = 0
+            if length < BLOCK:  # the last block: no stale flags past its end
+                hits[length:] = 0
+            n_band = _list_band(xs, magnitude, words, first, band, band_values, n_band)
     return n_sure, n_band, n
+
+
+_BYTE_BITS = np.uint64(0x0102040810204080)
+"""Multiplying 8 bytes of 0/1 (a uint64, little-endian) by this puts byte ``i`` at bit 56 + i."""
+_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
+"""A de Bruijn sequence: the top 6 bits of ``2**i`` times it (mod 2**64) differ for every
+``i`` < 64, so they index :data:`_LOWEST_BIT`."""
+_LOWEST_BIT = np.zeros(64, np.int64)
+for _i in range(64):
+    _LOWEST_BIT[((int(_DE_BRUIJN) << _i) % (1 << 64)) >> 58] = _i
+
+
+@njit(inline="always", boundscheck=False)
+def _list_band(xs, magnitude, words, first, band, band_values, n_band):
+    """Lists the band entries of a block (``words``: its flags, 8 bytes of 0/1 per uint64)
+    after the first ``n_band`` of ``band``, 64 flags at a time as the bits of one word, set
+    bit by set bit: a loop per band entry, not per flag (2x faster at a 4% band). Returns the
+    new ``n_band``."""
+    for group in range(words.shape[0] // 8):
+        bits = np.uint64(0)
+        for q in range(8):
+            flags = words[8 * group + q]
+            bits |= ((flags * _BYTE_BITS) >> np.uint64(56)) << np.uint64(8 * q)
+        while bits:
+            lowest = bits & (~bits + np.uint64(1))
+            j = 64 * group + _LOWEST_BIT[(lowest * _DE_BRUIJN) >> np.uint64(58)]
+            v = xs[j]
+            band[n_band] = first + j
+            band_values[n_band] = abs(v) if magnitude else v
+            n_band += 1
+            bits ^= lowest
+    return n_band
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -174,7 +175,8 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
     if thresholds is None:
         return False
     inner, outer = thresholds
-    if xp is np and cpu_kernels.accepts(x):
+    # (the compiled pass reads 8 flags as a little-endian word)
+    if xp is np and sys.byteorder == "little" and cpu_kernels.accepts(x):
         n_sure, index, values = _kernel_pass(c, x, sure, eligible, inner, outer)
     else:
         n_sure, index, values = _chunked_pass(c, xp, x, sure, eligible, inner, outer)

@@ -133,14 +133,35 @@ def test_threshold_pass_stops_where_the_band_outgrows_its_buffer():
     short = np.empty(50, np.int64), np.empty(50, np.float32)
     # the band (80..90: x[8000:9100]) starts in the block at 6144 and does not fit in 50
     assert cpu_kernels.threshold_pass(*args, *short, 0, 0) == (0, 0, 3 * block)
-    band = np.empty(1101, np.int64), np.empty(1101, np.float32)  # one to spare
+    band = np.empty(1100, np.int64), np.empty(1100, np.float32)  # just long enough
     n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, *band, 0, 3 * block)
     assert (n_sure, n_band, stop) == (900, 1100, 10_000)  # > 90: 9 values, 100 of each
     assert band[0][:n_band].tolist() == list(range(8000, 9100))
     assert band[1][:n_band].tolist() == x[8000:9100].tolist()
-    exact = np.empty(1100, np.int64), np.empty(1100, np.float32)
-    assert cpu_kernels.threshold_pass(*args, *exact, 0, 3 * block)[2] == 4 * block
+    one_short = np.empty(1099, np.int64), np.empty(1099, np.float32)
+    assert cpu_kernels.threshold_pass(*args, *one_short, 0, 3 * block)[2] == 4 * block
     assert np.array_equal(sure.astype(bool)[6144:], x[6144:] > 90)
+
+
+@pytest.mark.parametrize("band_fraction", [0.001, 0.04, 0.5, 1.0])
+def test_threshold_pass_lists_every_band_entry_in_order(band_fraction):
+    """The band is listed 64 flags at a time: sparse, dense and full bands, a last block
+    shorter than 64 entries, eligibility flags and magnitudes."""
+    gen = np.random.default_rng(3)
+    x = gen.standard_normal(5 * cpu_kernels.BLOCK + 37).astype(np.float32)
+    flags = (gen.random(x.size) < 0.7).astype(np.uint8)
+    inner, outer = np.quantile(np.abs(x), [0.1, min(1.0, 0.1 + band_fraction)])
+    inner, outer = np.float32(inner), np.float32(outer)
+    sure = np.empty(x.size, np.uint8)
+    band, values = np.empty(x.size, np.int64), np.empty(x.size, np.float32)
+    args = (x, flags, 1, True, False, inner, outer, True, sure, band, values)
+    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, 0, 0)
+    in_band = (np.abs(x) >= inner) & (np.abs(x) <= outer)
+    expected = np.flatnonzero((flags == 1) & in_band)
+    assert len(expected) >= band_fraction * 0.5 * x.size  # about 0.7 of it
+    assert stop == x.size and n_sure == int(((flags == 1) & (np.abs(x) < inner)).sum())
+    assert band[:n_band].tolist() == expected.tolist()
+    assert values[:n_band].tolist() == np.abs(x[expected]).tolist()
 
 
 @pytest.mark.parametrize(
