@@ -18,10 +18,11 @@ of the medians; "update / AdamW step" is the median, over the repeats, of each r
 cost divided by the AdamW step timed just before that run (with the lowest and highest in
 brackets: this machine's memory speed drifts by up to 30% between minutes, and pairing each run
 with its own AdamW step cancels most of it). That step, and every algorithm, starts from the
-same dense weights and AdamW state. "Phase start" is choosing the first masks when the phase
-begins; "AdamW step in the phase" is the optimizer step after each timed step (the masked
-gradients leave exact zeros in AdamW's ``exp_avg_sq``, and torch's default CPU AdamW computes
-``sqrt`` of zeros slowly on AVX-512).
+same dense weights and AdamW state (the first step from that state runs cold, about 3x slower,
+once: it is not timed). "Phase start" is choosing the first masks when the phase begins; "AdamW
+step in the phase" is the optimizer step after each timed step (the masked gradients leave
+exact zeros in AdamW's ``exp_avg_sq``, and torch's default CPU AdamW computes ``sqrt`` of zeros
+slowly on AVX-512).
 
     python benchmarks/mask_update.py                  # ~7 minutes, ~6 GB, 1 thread
     python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms "set 90%" "rigl 2:4"
@@ -140,10 +141,8 @@ def main() -> None:
             for key, value in state.items():
                 optimizer.state[p][key].copy_(value)
 
-    # the first step after the snapshot runs cold (3x slower here, once): not timed
-    for _ in range(2):
-        restore_dense()
-        optimizer.step()
+    restore_dense()
+    optimizer.step()  # the first step from the snapshot runs cold (3x slower here): not timed
 
     numel = sum(p.numel() for p in params)
     print(
