@@ -70,9 +70,9 @@ def threshold_pass(
     (compiled separately). NaN is beyond nothing.
 
     Returns ``(sure count, band count, stop)``: ``stop`` is ``len(x)``, or the start of the
-    block whose band entries did not fit in ``band`` (call again from
-    there with longer ``band`` and ``band_values`` holding the entries listed so far; the
-    counts are of the entries before ``stop``)."""
+    block whose band entries did not fit in ``band`` (call again from there with longer
+    ``band`` and ``band_values`` holding the entries listed so far; the counts are of the
+    entries before ``stop``)."""
     n = x.shape[0]
     n_sure = 0
     hits = np.empty(BLOCK, np.uint8)  # a block's band flags
@@ -123,8 +123,8 @@ for _i in range(64):
 def _list_band(xs, magnitude, words, first, band, band_values, n_band):
     """Lists the band entries of a block (``words``: its flags, 8 bytes of 0/1 per uint64)
     after the first ``n_band`` of ``band``, 64 flags at a time as the bits of one word, set
-    bit by set bit: a loop per band entry, not per flag (2x faster at a 4% band). Returns the
-    new ``n_band``."""
+    bit by set bit: a loop per band entry, not per flag (listing 2x faster at a 4% band).
+    Returns the new ``n_band``."""
     for group in range(words.shape[0] // 8):
         bits = np.uint64(0)
         for q in range(8):
