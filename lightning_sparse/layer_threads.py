@@ -4,8 +4,9 @@ A mask update works layer by layer, and on the CPU nearly all of a layer's work 
 compiled loops (:mod:`~lightning_sparse.cpu_kernels`), NumPy and torch operations that release
 the GIL, so layers given to different threads overlap. The optimizer step it is compared with
 uses every thread torch has (``torch.get_num_threads()``), so the update uses as many: on 2
-threads, an update of GPT-2 small's weights takes about 0.7-0.85x of its one-thread time
-(``benchmarks/mask_update.py``: ``rigl 2:4`` 391 -> 262-341 ms, ``set`` 320 -> 245-267 ms).
+threads, an update of GPT-2 small's weights takes about 0.65-0.85x of its one-thread time
+(``benchmarks/mask_update.py``, 2026-11-22: ``rigl 2:4`` 388 -> 251 ms and 391 -> 262-341 ms
+in earlier runs, ``set`` 313 -> 248 ms and 320 -> 245-267 ms).
 
 Threads are used only where that is safe and useful (:func:`update_threads`): an algorithm that
 declares its per-layer code thread-safe (``layers_in_parallel``, set on the built-in ones),
