@@ -174,7 +174,8 @@ def test_compiled_tiles_choose_what_the_array_ops_choose(keys_kind, dtype, monke
     assert torch.equal(compiled, expected)
 
 
-def test_tiles_stop_at_a_tile_row_that_was_not_transposable(path):
+@pytest.mark.parametrize("by_keys", [False, True])
+def test_tiles_stop_at_a_tile_row_that_was_not_transposable(path, by_keys):
     """Leading tile rows before the first tile whose survivors fit no pattern are refilled
     (the compiled loop goes tile row by tile row, the array ops by chunks of tile rows); the
     rest are left as they were (the caller chooses them another way)."""
@@ -185,7 +186,9 @@ def test_tiles_stop_at_a_tile_row_that_was_not_transposable(path):
     mask[4, :3] = True  # three in a tile row: no 2:4 pattern contains them
     dropped[4] = False
     before = mask.clone(), dropped.clone()
-    done = 4 * refill_tiles_(ops_for(mask), mask, dropped, None, 3)
+    ops = ops_for(mask)
+    keys = TileKeys(ops, ops.array(keys_of((8, 4), False, 2))) if by_keys else None
+    done = 4 * refill_tiles_(ops, mask, dropped, keys, 3)
     assert done == (4 if path == "numpy" else 0)
     if done:
         assert is_transposable_2to4(mask[:done]) and int(mask[:done].sum()) == 2 * done
