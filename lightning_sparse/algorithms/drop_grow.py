@@ -105,11 +105,14 @@ def drop_and_grow_(
     target: Sparsity,
     regrowth: Regrowth,
     select: Select = topk_mask,
+    n_active: int | None = None,
 ) -> Tensor:
     """:func:`drop_and_grow` in place, with the regrowth rule given: edits ``mask`` and
     returns a bool tensor of the entries that changed (dropped and not regrown, or regrown and
-    not dropped; a reused buffer, valid until the next call)."""
-    n_active = count_true(mask)
+    not dropped; a reused buffer, valid until the next call). ``n_active``: how many entries
+    ``mask`` has set, if known (else counted)."""
+    if n_active is None:
+        n_active = count_true(mask)
     if isinstance(target, NM):
         # drop and refill in place: the dropped entries become the changed ones
         changed = smallest_active(weight, mask, n_drop, n_active)  # slot 0
@@ -256,7 +259,9 @@ class DropAndGrow(SparsityAlgorithm):
         regrowth = self.regrowth(weight, mask, ctx)
         if regrowth is None:
             return None
-        return drop_and_grow_(weight, mask, n_drop, target, regrowth, self.select)
+        return drop_and_grow_(
+            weight, mask, n_drop, target, regrowth, self.select, n_active
+        )
 
 
 @register_algorithm("set")
