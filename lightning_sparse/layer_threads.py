@@ -5,8 +5,9 @@ compiled loops (:mod:`~lightning_sparse.cpu_kernels`), NumPy and torch operation
 the GIL, so layers given to different threads overlap. The optimizer step it is compared with
 uses every thread torch has (``torch.get_num_threads()``), so the update uses as many: on 2
 threads, an update of GPT-2 small's weights takes about 0.65-0.85x of its one-thread time
-(``benchmarks/mask_update.py``, 2026-11-22: ``rigl 2:4`` 388 -> 251 ms and 391 -> 262-341 ms
-in earlier runs, ``set`` 313 -> 248 ms and 320 -> 245-267 ms).
+(``benchmarks/mask_update.py``, 2026-11-22: ``rigl 2:4`` 344 -> 248 ms, and 388 -> 251 and
+391 -> 262-341 ms before its tile refill was sped up; ``set`` 314 -> 250, 313 -> 248 and
+320 -> 245-267 ms).
 
 Threads are used only where that is safe and useful (:func:`update_threads`): an algorithm that
 declares its per-layer code thread-safe (``layers_in_parallel``, set on the built-in ones),
