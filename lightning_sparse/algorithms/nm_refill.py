@@ -12,11 +12,11 @@ After the drop of a drop-and-grow update, every group of M along the input dimen
   patterns drawn uniformly.
 
 Only groups and tiles with a choice are worked on: a tile that lost one weight can only take it
-back (after a 30% drop, about 45% of the tiles of a 2:4 layer have a single completion), and a
-group that lost nothing keeps its weights. Both work in place: on the mask as it was before the
-drop, and on the dropped entries, which become the entries that changed. The work runs through
-:class:`~lightning_sparse.array_ops.Ops` (NumPy on the CPU, torch elsewhere); ``keys`` callbacks
-receive and return arrays of that namespace.
+back (after a 30% drop by magnitude, 55% of the tiles of a random 3072x768 2:4 weight have a
+single completion), and a group that lost nothing keeps its weights. Both work in place: on the
+mask as it was before the drop, and on the dropped entries, which become the entries that
+changed. The work runs through :class:`~lightning_sparse.array_ops.Ops` (NumPy on the CPU, torch
+elsewhere); ``keys`` callbacks receive and return arrays of that namespace.
 
 Example:
     >>> import torch
