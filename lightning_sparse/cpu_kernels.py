@@ -9,9 +9,10 @@ float32 tensor.
 :func:`multiply` masks a tensor (a gradient) in one vectorized loop, 4x faster than torch's
 ``mul_`` by a ``uint8`` mask (which casts element by element); :func:`multiply_where` and
 :func:`zero_where` zero dropped weights and the optimizer state of changed entries likewise.
-:func:`refill_groups` refills N:M groups and :func:`refill_tiles` a transposable 2:4 mask, each
-in place in one loop over the groups (tiles). Each gives the bits its NumPy counterpart gives
-(see :mod:`~lightning_sparse.top_k`, :func:`~lightning_sparse.array_ops.apply_mask_change_` and
+:func:`refill_groups` refills N:M groups in place in one loop over the groups, and
+:func:`refill_tiles` a transposable 2:4 mask a tile row at a time. Each gives the bits its NumPy
+counterpart gives (see :mod:`~lightning_sparse.top_k`,
+:func:`~lightning_sparse.array_ops.apply_mask_change_` and
 :mod:`~lightning_sparse.algorithms.nm_refill`).
 
 They take NumPy arrays of float32 or float64 (:func:`accepts`), with bool masks viewed as
