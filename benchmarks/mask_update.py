@@ -39,9 +39,9 @@ import torch
 from common import markdown_table, median
 from torch import nn
 
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
 
 UPDATE = {"update_every": 2, "update_stop": 10_000}
 DST = {**UPDATE, "drop_fraction": 0.3, "drop_fraction_decay": "constant"}

@@ -37,10 +37,10 @@ from common import markdown_table
 from lightning_sparse.backends import capability
 from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
-from lightning_sparse.tile_masks import transposable_2to4_mask
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
+from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 # (label, tokens, in_features, out_features)
 LINEARS = [

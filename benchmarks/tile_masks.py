@@ -30,7 +30,7 @@ sys.path.insert(
 )  # this checkout, not an install
 
 from lightning_sparse.masks import NM, topk_mask
-from lightning_sparse.tile_masks import (
+from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
     transposable_2to4_mask,

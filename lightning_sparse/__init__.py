@@ -11,16 +11,16 @@ from lightning_sparse.algorithms import (
     register_algorithm,
 )
 from lightning_sparse.callback import SparsityCallback
-from lightning_sparse.compressed import (
+from lightning_sparse.core.schedule import Phase
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
+from lightning_sparse.formats.compressed import (
     load_compressed,
     save_compressed,
     to_semi_structured,
 )
-from lightning_sparse.export import export_state_dict, fold_masks
+from lightning_sparse.formats.export import export_state_dict, fold_masks
 from lightning_sparse.masks import NM
-from lightning_sparse.schedule import Phase
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
 
 __all__ = [
     "NM",

@@ -13,14 +13,18 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_sparse import cerebras
 from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
-from lightning_sparse.report import plan_table, summary
-from lightning_sparse.schedule import Phase, resolve_phases, validate_phase_list
-from lightning_sparse.selection import Selection, compile_patterns, select_parameters
-from lightning_sparse.sparsifier import PhaseChange, Sparsifier
+from lightning_sparse.core.schedule import Phase, resolve_phases, validate_phase_list
+from lightning_sparse.core.selection import (
+    Selection,
+    compile_patterns,
+    select_parameters,
+)
+from lightning_sparse.engine.report import plan_table, summary
+from lightning_sparse.engine.sparsifier import PhaseChange, Sparsifier
+from lightning_sparse.formats import cerebras
 
 
 class SparsityCallback(Callback):
@@ -115,7 +119,7 @@ class SparsityCallback(Callback):
         cls, config: cerebras.Config, name: str = "sparsity", **kwargs: Any
     ) -> list[SparsityCallback]:
         """Callbacks from a Cerebras-format ``sparsity:`` block: a dict, a list of groups, or
-        the path of a YAML file (see :mod:`lightning_sparse.cerebras` for the forms and how they
+        the path of a YAML file (see :mod:`lightning_sparse.formats.cerebras` for the forms and how they
         translate). One callback per group, named ``name`` (several: ``name_0``, ``name_1``...);
         ``kwargs`` (``backend``, ``verbose``...) go to every callback.
 

@@ -25,11 +25,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback, export_state_dict
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sharding import gather_full, is_sharded
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import topk_mask
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sharding import gather_full, is_sharded
-from lightning_sparse.sparsifier import Sparsifier
 
 
 class ShardedTinyModule(TinyModule):

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from lightning_sparse.algorithms import MaskContext, build_algorithm
+from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.masks import NM, is_nm, topk_mask
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.tile_masks import (
+from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
     transposable_2to4_mask,

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.masks import NM, is_nm
-from lightning_sparse.tile_masks import transposable_2to4_mask
+from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 
 @pytest.fixture

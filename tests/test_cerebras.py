@@ -8,7 +8,7 @@ from helpers import TinyModule, fast_trainer, random_loader
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.algorithms.step_values import parse_step_value
-from lightning_sparse.cerebras import translate
+from lightning_sparse.formats.cerebras import translate
 from lightning_sparse.masks import num_kept
 
 

@@ -16,11 +16,11 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from lightning_sparse import SparsityCallback
-from lightning_sparse.cli import SparseCLI, main
+from lightning_sparse.cli.flops import linear_flops_per_token
+from lightning_sparse.cli.main import SparseCLI, main
+from lightning_sparse.cli.plan import plan_schedule, run_length
 from lightning_sparse.demo import GPTLanguageModel
-from lightning_sparse.flops import linear_flops_per_token
 from lightning_sparse.masks import NM
-from lightning_sparse.plan import plan_schedule, run_length
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 VIT_DEMO = RECIPES / "vit" / "cpu_demo.yaml"

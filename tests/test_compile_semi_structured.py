@@ -16,7 +16,7 @@ from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
 from lightning_sparse.masks import NM, topk_mask
-from lightning_sparse.tile_masks import transposable_2to4_mask
+from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 
 class CountingBackend:

@@ -20,9 +20,9 @@ from lightning.pytorch.strategies import FSDPStrategy
 from multiprocess import run_workers
 
 from lightning_sparse import SparsityCallback
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
 
 STEPS = 3  # optimizer steps per phase
 SEED = 0

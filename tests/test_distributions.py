@@ -10,10 +10,10 @@ from torch import nn
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.algorithms.distributions import erk_densities, spread
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import num_kept
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
 
 
 class ConvNet(nn.Module):

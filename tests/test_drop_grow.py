@@ -12,14 +12,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_sparse import SparsityCallback, array_ops
+from lightning_sparse import SparsityCallback
 from lightning_sparse.algorithms import MaskContext, build_algorithm
 from lightning_sparse.algorithms.drop_grow import drop_and_grow
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import NM, is_nm, keep_top, num_kept, topk_mask
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
-from lightning_sparse.tile_masks import is_transposable_2to4
+from lightning_sparse.masks import elementwise as array_ops
+from lightning_sparse.masks.tiles import is_transposable_2to4
 
 
 def algo_for(total=100, **phase):

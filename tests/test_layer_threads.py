@@ -9,13 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sparse import array_ops, register_algorithm
+from lightning_sparse import register_algorithm
 from lightning_sparse.algorithms import RigL
-from lightning_sparse.array_ops import scratch_mask
-from lightning_sparse.layer_threads import for_each_layer, update_threads
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.layer_threads import for_each_layer, update_threads
+from lightning_sparse.engine.sparsifier import Sparsifier
+from lightning_sparse.masks import elementwise as array_ops
+from lightning_sparse.masks.elementwise import scratch_mask
 
 
 @pytest.fixture

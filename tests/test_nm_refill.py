@@ -7,17 +7,18 @@ from fractions import Fraction
 import pytest
 import torch
 
-from lightning_sparse import array_ops, cpu_kernels
-from lightning_sparse.algorithms.nm_refill import (
+from lightning_sparse.kernels import loops as cpu_kernels
+from lightning_sparse.masks import NM, topk_mask
+from lightning_sparse.masks import elementwise as array_ops
+from lightning_sparse.masks.elementwise import ops_for
+from lightning_sparse.masks.refill import (
     GroupKeys,
     TileKeys,
     refill_groups_,
     refill_tiles_,
     tile_codes,
 )
-from lightning_sparse.array_ops import ops_for
-from lightning_sparse.masks import NM, topk_mask
-from lightning_sparse.tile_masks import (
+from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
 )

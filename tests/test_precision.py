@@ -11,10 +11,10 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 from lightning_sparse import SparsityCallback
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import NM, is_nm, num_kept
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
 
 
 class BadLossAt(TinyModule):

@@ -19,8 +19,9 @@ import torch
 import yaml
 from helpers import pretend_gpu
 
-from lightning_sparse import SparsityCallback, sparsifier
-from lightning_sparse.cli import SparseCLI
+from lightning_sparse import SparsityCallback
+from lightning_sparse.cli.main import SparseCLI
+from lightning_sparse.engine import sparsifier
 from lightning_sparse.masks import NM
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

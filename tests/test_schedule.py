@@ -2,14 +2,14 @@ import math
 
 import pytest
 
-from lightning_sparse.masks import NM
-from lightning_sparse.schedule import (
+from lightning_sparse.core.schedule import (
     Phase,
     parse_boundary,
     parse_sparsity,
     phase_at,
     resolve_phases,
 )
+from lightning_sparse.masks import NM
 
 
 @pytest.mark.parametrize(

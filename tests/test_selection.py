@@ -3,7 +3,7 @@ import timm
 import torch
 from torch import nn
 
-from lightning_sparse.selection import select_parameters
+from lightning_sparse.core.selection import select_parameters
 
 
 def vit() -> nn.Module:

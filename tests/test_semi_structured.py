@@ -21,7 +21,7 @@ from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
 )
 from lightning_sparse.masks import topk_mask
-from lightning_sparse.tile_masks import (
+from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
     transposable_2to4_mask,

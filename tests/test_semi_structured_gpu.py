@@ -19,7 +19,7 @@ from lightning_sparse.backends.semi_structured import (
     semi_structured_linear,
 )
 from lightning_sparse.backends.speed import measure_speedup
-from lightning_sparse.tile_masks import transposable_2to4_mask
+from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 pytestmark = [

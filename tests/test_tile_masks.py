@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.sparse._semi_structured_conversions import _sparse_semi_structured_tile
 
-from lightning_sparse import tile_masks
-from lightning_sparse.tile_masks import (
+from lightning_sparse.masks import tiles as tile_masks
+from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
     transposable_2to4_mask,

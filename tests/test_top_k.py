@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse import array_ops, cpu_kernels
-from lightning_sparse.array_ops import (
+from lightning_sparse.kernels import loops as cpu_kernels
+from lightning_sparse.masks import elementwise as array_ops
+from lightning_sparse.masks.elementwise import (
     abs_into,
     count_true,
     flat_nonzero,
@@ -16,7 +17,7 @@ from lightning_sparse.array_ops import (
     scratch_mask,
     zero_where_,
 )
-from lightning_sparse.top_k import LARGE, top_k_mask
+from lightning_sparse.masks.top_k import LARGE, top_k_mask
 
 # Above LARGE entries the sampled-threshold path runs; below, a stable sort.
 SIZES = [(7, 13), (300, 400), (1, LARGE + 5)]

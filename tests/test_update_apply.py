@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sparse import layer_threads, sparsifier
-from lightning_sparse.schedule import Phase, resolve_phases
-from lightning_sparse.selection import select_parameters
-from lightning_sparse.sparsifier import Sparsifier
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine import layer_threads, sparsifier
+from lightning_sparse.engine.sparsifier import Sparsifier
 
 
 def bits(tensor):
@@ -59,7 +59,7 @@ def test_update_applies_exactly_the_new_mask(algorithm, drop_fraction):
 def test_numpy_and_torch_paths_give_the_same_masks(algorithm, sparsity, monkeypatch):
     """The CPU runs NumPy where it can; other devices (and bfloat16) run torch ops: the
     masks are the same either way."""
-    from lightning_sparse import array_ops
+    from lightning_sparse.masks import elementwise as array_ops
 
     results = []
     for use_numpy in (True, False):

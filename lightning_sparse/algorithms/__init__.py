@@ -14,7 +14,7 @@ from lightning_sparse.algorithms.gmp import GradualMagnitudePruning
 from lightning_sparse.algorithms.magnitude import Magnitude
 from lightning_sparse.algorithms.runtime import Runtime
 from lightning_sparse.algorithms.static import Static
-from lightning_sparse.schedule import ResolvedPhase
+from lightning_sparse.core.schedule import ResolvedPhase
 
 
 def build_algorithm(

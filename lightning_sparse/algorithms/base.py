@@ -1,7 +1,7 @@
 """The algorithm interface: how masks are chosen and when they change.
 
 An algorithm is a pure rule ``(weight, current mask, target, context) -> new mask``. It never
-touches kernels, optimizers or modules: the :class:`~lightning_sparse.sparsifier.Sparsifier`
+touches kernels, optimizers or modules: the :class:`~lightning_sparse.engine.sparsifier.Sparsifier`
 applies what it returns. Two families (see ``straight_through``):
 
 - hard masks: pruned weights are stored as zeros, their gradients and optimizer state are masked;
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.algorithms.distributions import check_distribution, spread
+from lightning_sparse.core.schedule import ResolvedPhase, parse_boundary
 from lightning_sparse.masks import (
     NM,
     Sparsity,
@@ -46,8 +47,7 @@ from lightning_sparse.masks import (
     random_score,
     topk_mask,
 )
-from lightning_sparse.schedule import ResolvedPhase, parse_boundary
-from lightning_sparse.tile_masks import has_4x4_tiles, optimal_transposable_2to4_mask
+from lightning_sparse.masks.tiles import has_4x4_tiles, optimal_transposable_2to4_mask
 
 
 @dataclass
@@ -93,12 +93,12 @@ class SparsityAlgorithm:
             implies ``straight_through``.
         layers_in_parallel: ``True`` if :meth:`update_mask_` (with everything it calls) may run
             for several layers at once on worker threads (CPU weights, when torch uses more
-            than one thread; see :mod:`~lightning_sparse.layer_threads`). Not inherited: a
+            than one thread; see :mod:`~lightning_sparse.engine.layer_threads`). Not inherited: a
             subclass runs its layers one after another unless it sets this itself.
 
     Example:
         >>> import torch
-        >>> from lightning_sparse.schedule import Phase, resolve_phases
+        >>> from lightning_sparse.core.schedule import Phase, resolve_phases
         >>> from lightning_sparse.algorithms import build_algorithm
         >>> phase = resolve_phases([Phase(sparsity=0.5)], total_steps=10)[0]
         >>> algo = build_algorithm(phase)
@@ -282,7 +282,7 @@ class SparsityAlgorithm:
     def update_mask_(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor | None:
-        """The in-place form the :class:`~lightning_sparse.sparsifier.Sparsifier` calls: turn
+        """The in-place form the :class:`~lightning_sparse.engine.sparsifier.Sparsifier` calls: turn
         ``mask`` into what :meth:`update_mask` returns and say where it changed (a bool tensor
         shaped like ``mask``, possibly a reused buffer: read it before the next update), or
         return ``None`` if it did not change.

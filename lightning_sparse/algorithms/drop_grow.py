@@ -13,7 +13,7 @@ keep running on N:M kernels. The regrowth follows the algorithm's ``select``, so
 weight with both dimensions multiples of 4 stays transposable (2 per row and per column of every
 4x4 tile: each tile regrows, among the patterns that keep its survivors, the one with the
 highest total grow score, or under ``set`` one drawn uniformly; see
-:mod:`~lightning_sparse.algorithms.nm_refill`).
+:mod:`~lightning_sparse.masks.refill`).
 
 Semantics of an update step (the sparsifier runs it before the optimizer step):
 
@@ -59,7 +59,7 @@ from lightning_sparse.algorithms.base import (
 )
 from lightning_sparse.algorithms.regrowth import AtRandom, ByScore, Regrowth, Select
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
-from lightning_sparse.array_ops import count_true, scratch_mask
+from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.masks import (
     NM,
     Sparsity,
@@ -69,7 +69,7 @@ from lightning_sparse.masks import (
     sparsity_fraction,
     topk_mask,
 )
-from lightning_sparse.schedule import ResolvedPhase
+from lightning_sparse.masks.elementwise import count_true, scratch_mask
 
 DECAYS = {
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),

@@ -17,9 +17,9 @@ from lightning_sparse.algorithms.base import (
     register_algorithm,
 )
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
-from lightning_sparse.array_ops import count_true
+from lightning_sparse.core.schedule import ResolvedPhase, parse_sparsity
 from lightning_sparse.masks import Sparsity, drop_smallest, drop_smallest_, num_kept
-from lightning_sparse.schedule import ResolvedPhase, parse_sparsity
+from lightning_sparse.masks.elementwise import count_true
 
 RAMPS = {
     "cubic": lambda x: 1.0 - (1.0 - x) ** 3,
@@ -41,7 +41,7 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     schedule and holds from ``update_stop`` on.
 
     Example:
-        >>> from lightning_sparse.schedule import Phase, resolve_phases
+        >>> from lightning_sparse.core.schedule import Phase, resolve_phases
         >>> phase = resolve_phases([Phase(sparsity=0.8, algorithm="gmp", update_every=10)], 100)[0]
         >>> algo = GradualMagnitudePruning(phase)
         >>> [round(algo.target_at(s), 3) for s in (0, 10, 75, 99)]

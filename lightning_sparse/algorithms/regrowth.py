@@ -20,18 +20,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_sparse.algorithms.nm_refill import (
+from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
+from lightning_sparse.masks.elementwise import Ops, ops_for
+from lightning_sparse.masks.random_subset import random_subset
+from lightning_sparse.masks.refill import (
     GroupKeys,
     Keys,
     TileKeys,
     refill_groups_,
     refill_tiles_,
 )
-from lightning_sparse.array_ops import Ops, ops_for
-from lightning_sparse.masks import NM, Sparsity, name_seed, random_score, topk_mask
-from lightning_sparse.random_subset import random_subset
-from lightning_sparse.tile_masks import has_4x4_tiles
-from lightning_sparse.top_k import top_k_mask
+from lightning_sparse.masks.tiles import has_4x4_tiles
+from lightning_sparse.masks.top_k import top_k_mask
 
 Select = Callable[[Tensor, Sparsity], Tensor]
 
@@ -50,7 +50,7 @@ class Regrowth:
         that lost entries to ``dropped`` (a subset of it) back to ``target.n``, in place, the
         way ``select`` lays masks out: transposable 2:4 tiles where the built-in ``select``
         makes them, else groups along the input dimension (see
-        :mod:`~lightning_sparse.algorithms.nm_refill`); from a tile whose survivors fit no 2:4
+        :mod:`~lightning_sparse.masks.refill`); from a tile whose survivors fit no 2:4
         pattern on, by groups. ``dropped`` becomes the entries that changed. A custom
         ``select`` chooses the whole mask from scores in which the survivors come first."""
         layout = _layout(select, mask, target)

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from lightning_sparse.algorithms.base import SparsityAlgorithm, register_algorithm
 from lightning_sparse.masks import NM
-from lightning_sparse.tile_masks import has_4x4_tiles, transposable_2to4_mask
+from lightning_sparse.masks.tiles import has_4x4_tiles, transposable_2to4_mask
 
 
 @register_algorithm("runtime")
@@ -15,7 +15,7 @@ class Runtime(SparsityAlgorithm):
     and the dense weight learns from the dense gradient. The default for ``"N:M"`` phases.
 
     ``2:4`` on a 2-D weight whose dimensions are multiples of 4 uses the transposable greedy
-    mask of :func:`~lightning_sparse.tile_masks.transposable_2to4_mask` (at most 2 per row and
+    mask of :func:`~lightning_sparse.masks.tiles.transposable_2to4_mask` (at most 2 per row and
     per column of every 4x4 tile, by decreasing ``|w|``): the choice the CUDA kernel
     ``torch._sparse_semi_structured_tile(W, "largest_abs_values_greedy")`` makes, so the
     ``semi_structured`` and ``masked`` backends compute the same function. It keeps ~49% of the

@@ -15,7 +15,7 @@ transposable mask survives the tile op's greedy unchanged, so the same kernels r
 
 Where a kernel cannot run (a CPU tensor, a float32 matmul), and with ``kernel="emulated"``,
 the layer computes what the masked backend computes, with the same operations: the weight
-times :func:`~lightning_sparse.tile_masks.transposable_2to4_mask` (or times its stored mask).
+times :func:`~lightning_sparse.masks.tiles.transposable_2to4_mask` (or times its stored mask).
 That mask is the kernel's greedy choice, except where ``|w|`` ties within a tile: the kernel
 compares the values in the matmul dtype (bfloat16 values tie often) and its sorting network
 orders equal values its own way, while the emulation ranks the stored (e.g. float32) values
@@ -26,7 +26,7 @@ Example (the emulation, on the CPU):
     >>> import torch
     >>> from torch import nn
     >>> from lightning_sparse.backends.masked import uninstall_forward
-    >>> from lightning_sparse.tile_masks import transposable_2to4_mask
+    >>> from lightning_sparse.masks.tiles import transposable_2to4_mask
     >>> layer = nn.Linear(8, 4)
     >>> install_semi_structured_forward(layer, "emulated")
     >>> x = torch.randn(3, 8)
@@ -56,7 +56,7 @@ from lightning_sparse.backends.masked import (
     straight_through_mask,
     swap_forward,
 )
-from lightning_sparse.tile_masks import is_transposable_2to4, transposable_2to4_mask
+from lightning_sparse.masks.tiles import is_transposable_2to4, transposable_2to4_mask
 
 GREEDY = "largest_abs_values_greedy"
 

@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_sparse.sharding import gather_full
+from lightning_sparse.engine.sharding import gather_full
 
 
 def fold_masks(
@@ -59,12 +59,9 @@ def export_state_dict(
             a checkpoint dict, or a path to a checkpoint file.
     """
     if isinstance(source, pl.Trainer):
-        from lightning_sparse.callback import SparsityCallback
-
-        masks: dict[str, Tensor] = {}
-        for cb in source.callbacks:
-            if isinstance(cb, SparsityCallback):
-                masks.update(cb.state_dict().get("masks", {}))
+        # found by state key, as in a checkpoint: export sits below the callback
+        states = {cb.state_key: cb.state_dict() for cb in source.callbacks}
+        masks = _checkpoint_masks({"callbacks": states})
         module_state = source.lightning_module.state_dict()
         # sharded (FSDP2) weights are gathered: a collective, so call this on every rank
         state = {k: gather_full(v.detach()) for k, v in module_state.items()}

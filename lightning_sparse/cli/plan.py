@@ -5,8 +5,8 @@ precision), the model and the datamodule, and builds each group exactly as fit s
 (:meth:`SparsityCallback.build`: parameter selection, phases resolved against the run, the
 backend each parameter gets on this machine and why), without applying any mask. It adds the
 per-layer sparsity in each phase and the theoretical forward FLOP savings
-(:mod:`lightning_sparse.flops`). :func:`format_plan` renders it as text; ``lightning-sparse
-plan`` prints that and plots the schedule (:mod:`lightning_sparse.plot`).
+(:mod:`lightning_sparse.cli.flops`). :func:`format_plan` renders it as text; ``lightning-sparse
+plan`` prints that and plots the schedule (:mod:`lightning_sparse.cli.plot`).
 
 The run length is what ``trainer.estimated_stepping_batches`` will be at fit start: ``max_steps``
 when the run is bounded by steps only, otherwise ``max_epochs`` times the optimizer steps per
@@ -40,12 +40,12 @@ from torch import nn
 from lightning_sparse.algorithms import RunLength, SparsityAlgorithm
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.callback import SparsityCallback
-from lightning_sparse.flops import FlopSavings, linear_flops_per_token, run_savings
+from lightning_sparse.cli.flops import FlopSavings, linear_flops_per_token, run_savings
+from lightning_sparse.core.schedule import ResolvedPhase
+from lightning_sparse.core.selection import Selection
+from lightning_sparse.engine.report import plan_table, text_table
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import sparsity_fraction
-from lightning_sparse.report import plan_table, text_table
-from lightning_sparse.schedule import ResolvedPhase
-from lightning_sparse.selection import Selection
-from lightning_sparse.sparsifier import Sparsifier
 
 _RAMP_SAMPLES = 256  # steps sampled per phase to average a ramping target
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse.array_ops import count_true, numpy_view, pick_output
-from lightning_sparse.top_k import top_k_mask
+from lightning_sparse.masks.elementwise import count_true, numpy_view, pick_output
+from lightning_sparse.masks.top_k import top_k_mask
 
 
 @torch.no_grad()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from lightning_sparse.core.selection import Selection
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import describe
-from lightning_sparse.selection import Selection
-from lightning_sparse.sparsifier import Sparsifier
 
 
 def text_table(rows: list[list[str]]) -> list[str]:

@@ -1,7 +1,7 @@
 """Running the per-layer part of a mask update on several CPU threads at once.
 
 A mask update works layer by layer, and on the CPU nearly all of a layer's work runs in
-compiled loops (:mod:`~lightning_sparse.cpu_kernels`), NumPy and torch operations that release
+compiled loops (:mod:`~lightning_sparse.kernels.loops`), NumPy and torch operations that release
 the GIL, so layers given to different threads overlap. The optimizer step it is compared with
 uses every thread torch has (``torch.get_num_threads()``), so the update uses as many: on 2
 threads, an update of GPT-2 small's weights takes about 0.65-0.85x of its one-thread time
@@ -14,7 +14,7 @@ declares its per-layer code thread-safe (``layers_in_parallel``, set on the buil
 weights that are plain CPU tensors (sharded ones gather over the network, in the same order on
 every rank; GPU work is asynchronous already). The largest layers start first, so the threads
 finish together. Each thread has its own scratch buffers
-(:func:`~lightning_sparse.array_ops.scratch_mask`), so every layer's result is the one a single
+(:func:`~lightning_sparse.masks.elementwise.scratch_mask`), so every layer's result is the one a single
 thread computes, bit for bit.
 
 Example:
@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from lightning_sparse.array_ops import free_scratch
+from lightning_sparse.masks.elementwise import free_scratch
 
 T = TypeVar("T")
 

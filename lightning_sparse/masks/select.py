@@ -19,74 +19,13 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_sparse.array_ops import flat_nonzero, scratch_mask
-from lightning_sparse.top_k import top_k_mask
-
-
-@dataclass(frozen=True)
-class NM:
-    """An N:M pattern: ``n`` weights kept out of every ``m`` consecutive along the input dim."""
-
-    n: int
-    m: int
-
-    def __post_init__(self) -> None:
-        if not (0 < self.n < self.m):
-            raise ValueError(
-                f"sparsity='{self.n}:{self.m}' is impossible: N:M keeps N of every M weights, so "
-                f"it needs 0 < N < M (for example '2:4')"
-            )
-
-    @property
-    def sparsity(self) -> float:
-        """Fraction of weights pruned."""
-        return 1.0 - self.n / self.m
-
-    def __str__(self) -> str:
-        return f"{self.n}:{self.m}"
-
-
-Sparsity = float | NM
-"""A target: a fraction of zeros in [0, 1) (unstructured) or an :class:`NM` pattern."""
-
-
-def sparsity_fraction(target: Sparsity) -> float:
-    """The fraction of zeros a target asks for."""
-    return target.sparsity if isinstance(target, NM) else float(target)
-
-
-def describe(target: Sparsity) -> str:
-    """Human-readable target: ``'2:4'``, ``'70%'`` or ``'dense'``."""
-    if isinstance(target, NM):
-        return str(target)
-    return (
-        "dense"
-        if target == 0
-        else f"{target:.0%}"
-        if round(target * 100, 6).is_integer()
-        else f"{target:.2%}"
-    )
-
-
-def nm_groups(tensor: Tensor, m: int) -> Tensor:
-    """View ``tensor`` as ``(out, in_groups, m)``: groups of ``m`` along the input dimension."""
-    flat = tensor.reshape(tensor.shape[0], -1)
-    if flat.shape[1] % m:
-        raise ValueError(
-            f"a weight of shape {tuple(tensor.shape)} has {flat.shape[1]} inputs per output, "
-            f"not a multiple of M={m}"
-        )
-    return flat.reshape(flat.shape[0], flat.shape[1] // m, m)
-
-
-def num_kept(numel: int, sparsity: float) -> int:
-    """How many of ``numel`` weights an unstructured ``sparsity`` keeps (rounded to nearest)."""
-    return numel - round(sparsity * numel)
+from lightning_sparse.masks.elementwise import flat_nonzero, scratch_mask
+from lightning_sparse.masks.patterns import NM, Sparsity, describe, nm_groups, num_kept
+from lightning_sparse.masks.top_k import top_k_mask
 
 
 def topk_mask(score: Tensor, target: Sparsity) -> Tensor:
@@ -105,7 +44,7 @@ def topk_mask(score: Tensor, target: Sparsity) -> Tensor:
 
 def keep_top(score: Tensor, k: int) -> Tensor:
     """Keep exactly the ``k`` highest-``score`` entries of ``score`` (any shape); among equal
-    scores, the lower flat index is kept (see :func:`~lightning_sparse.top_k.top_k_mask`: one
+    scores, the lower flat index is kept (see :func:`~lightning_sparse.masks.top_k.top_k_mask`: one
     pass over the scores, however large).
 
     >>> keep_top(torch.tensor([[0.5, 2.0], [1.0, -1.0]]), 2).tolist()
@@ -159,7 +98,7 @@ def smallest_active(
 ) -> Tensor:
     """The ``n`` entries set in ``mask`` with the smallest ``|weight|`` (ties: the lower flat
     index first; ``n_active``: how many ``mask`` has set, if known), as a bool tensor shaped
-    like ``mask`` that is a reused buffer (:func:`~lightning_sparse.array_ops.scratch_mask`
+    like ``mask`` that is a reused buffer (:func:`~lightning_sparse.masks.elementwise.scratch_mask`
     slot 0), valid until the next call on this thread.
 
     >>> smallest_active(torch.tensor([3.0, -0.5, 2.0, 0.1]), torch.tensor([True, True, True, False]), 1).tolist()
@@ -189,11 +128,6 @@ def random_score(like: Tensor, seed: int) -> Tensor:
     """
     gen = torch.Generator().manual_seed(seed)
     return torch.rand(like.shape, generator=gen).to(like.device)
-
-
-def is_nm(mask: Tensor, target: NM) -> bool:
-    """Whether at most ``n`` of every ``m`` along the input dimension are kept."""
-    return bool((nm_groups(mask, target.m).sum(-1) <= target.n).all())
 
 
 def from_zeros_mask(

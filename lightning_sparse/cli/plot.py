@@ -8,7 +8,7 @@ Example:
     >>> import lightning as L
     >>> from lightning.pytorch.demos.boring_classes import BoringModel
     >>> from lightning_sparse import SparsityCallback
-    >>> from lightning_sparse.plan import plan_schedule
+    >>> from lightning_sparse.cli.plan import plan_schedule
     >>> cb = SparsityCallback(phases=[{"sparsity": 0.9, "algorithm": "gmp", "until": 0.8},
     ...                               {"sparsity": 0.0}], params=["layer.weight"])
     >>> trainer = L.Trainer(max_steps=100, callbacks=[cb], logger=False, accelerator="cpu")
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import os
 
+from lightning_sparse.cli.plan import SchedulePlan
+from lightning_sparse.core.schedule import phase_at
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import sparsity_fraction
-from lightning_sparse.plan import SchedulePlan
-from lightning_sparse.schedule import phase_at
-from lightning_sparse.sparsifier import Sparsifier
 
 PLOT_HINT = "the schedule plot needs matplotlib: pip install 'lightning-sparse[plot]'"
 _POINTS = 1000  # steps sampled along the run (plus every phase boundary)
@@ -38,7 +38,7 @@ def target_curve(
     (every phase boundary included); dense phases and the time after the last one are 0.
 
     Example:
-        >>> from lightning_sparse.schedule import Phase, resolve_phases
+        >>> from lightning_sparse.core.schedule import Phase, resolve_phases
         >>> phases = resolve_phases([Phase(sparsity="2:4", until=0.5), Phase()], total_steps=4)
         >>> target_curve(Sparsifier("g", [], phases), 4)
         ([0, 1, 2, 3, 4], [0.5, 0.5, 0.0, 0.0, 0.0])

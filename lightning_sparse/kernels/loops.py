@@ -11,9 +11,9 @@ float32 tensor.
 :func:`zero_where` zero dropped weights and the optimizer state of changed entries likewise.
 :func:`refill_groups` refills N:M groups in place in one loop over the groups, and
 :func:`refill_tiles` a transposable 2:4 mask a tile row at a time. Each gives the bits its NumPy
-counterpart gives (see :mod:`~lightning_sparse.top_k`,
-:func:`~lightning_sparse.array_ops.apply_mask_change_` and
-:mod:`~lightning_sparse.algorithms.nm_refill`).
+counterpart gives (see :mod:`~lightning_sparse.masks.top_k`,
+:func:`~lightning_sparse.masks.elementwise.apply_mask_change_` and
+:mod:`~lightning_sparse.masks.refill`).
 
 They take NumPy arrays of float32 or float64 (:func:`accepts`), with bool masks viewed as
 ``uint8`` (or ``uint32`` words); the first call for a signature compiles (under a second) and
@@ -173,7 +173,7 @@ _MIX = tuple(np.uint64(c) for c in SPLITMIX64)
 @njit(cache=True, nogil=True)
 def uniform_bits(index, offset):
     """53 uniform random bits from an index and a seed's ``offset`` (uint64): the bits of
-    :func:`~lightning_sparse.algorithms.nm_refill.uniform_bits` (SplitMix64's mixer)."""
+    :func:`~lightning_sparse.masks.refill.uniform_bits` (SplitMix64's mixer)."""
     x = np.uint64(index) * _MIX[0] + offset
     x = (x ^ (x >> np.uint64(30))) * _MIX[1]
     x = (x ^ (x >> np.uint64(27))) * _MIX[2]
@@ -323,7 +323,7 @@ def refill_tiles(
     path sums them (the pair of each row, then the rows in order), ties and NaN to the first
     as ``argmax`` takes them; or, with ``keys`` ``None``, one drawn by :func:`uniform_bits` of
     the tile's index. ``codes``/``count``/``first``/``completions``/``pairs`` are the tables of
-    :mod:`~lightning_sparse.algorithms.nm_refill` (``pairs``: ``completion_pairs``; any
+    :mod:`~lightning_sparse.masks.refill` (``pairs``: ``completion_pairs``; any
     integer dtypes). Returns how many tile rows (4 rows of the mask) were refilled: fewer than
     ``rows // 4`` if the survivors of a tile in the next one fit no pattern (that tile row
     and those after it are left as they were). Little-endian machines only.

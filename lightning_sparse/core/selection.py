@@ -11,7 +11,7 @@ with ``requires_dense = True``.
 
 Example:
     >>> import torch.nn as nn
-    >>> from lightning_sparse.selection import select_parameters
+    >>> from lightning_sparse.core.selection import select_parameters
     >>> net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     >>> sel = select_parameters(net)
     >>> [t.name for t in sel.targets], sel.excluded

@@ -13,7 +13,7 @@ the wall time, after each ``SparsityCallback``'s summary (phases with their step
 sparsity). ``plan`` is a dry run: it instantiates the model, data and trainer of the config,
 builds every ``SparsityCallback`` as fit start would, prints which parameters each group
 selects, their sparsity in each phase, the backend each would get on this machine and why, and
-the theoretical FLOP savings (:mod:`lightning_sparse.plan`), then writes a PNG of the schedule
+the theoretical FLOP savings (:mod:`lightning_sparse.cli.plan`), then writes a PNG of the schedule
 next to the (first) config, or to ``--plot_path``.
 
 Example:
@@ -32,8 +32,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-from lightning_sparse.plan import SchedulePlan, format_plan, plan_schedule
-from lightning_sparse.plot import PLOT_HINT, plot_schedule
+from lightning_sparse.cli.plan import SchedulePlan, format_plan, plan_schedule
+from lightning_sparse.cli.plot import PLOT_HINT, plot_schedule
 
 
 class SparseTrainer(pl.Trainer):

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse import cpu_kernels
-from lightning_sparse.array_ops import (
+from lightning_sparse.kernels import loops as cpu_kernels
+from lightning_sparse.masks.elementwise import (
     abs_into,
     backend,
     chunks,
@@ -232,7 +232,7 @@ def _chunked_pass(c: _Choice, xp: ModuleType, x, sure, eligible, inner, outer):
 
 def _kernel_pass(c: _Choice, x: np.ndarray, sure: np.ndarray, eligible, inner, outer):
     """:func:`_chunked_pass` in one compiled loop (see
-    :func:`~lightning_sparse.cpu_kernels.threshold_pass`) over float32/float64 NumPy arrays."""
+    :func:`~lightning_sparse.kernels.loops.threshold_pass`) over float32/float64 NumPy arrays."""
     if inner is None:  # nothing is beyond an infinite threshold (NaN never is)
         inner = math.inf if c.largest else -math.inf
     as_x = x.dtype.type  # the thresholds are values of x: exact in its dtype

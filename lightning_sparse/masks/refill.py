@@ -15,13 +15,13 @@ Only groups and tiles with a choice are worked on: a tile that lost one weight c
 back (after a 30% drop by magnitude, 55% of the tiles of a random 3072x768 2:4 weight have a
 single completion), and a group that lost nothing keeps its weights. Both work in place: on the
 mask as it was before the drop, and on the dropped entries, which become the entries that
-changed. The work runs through :class:`~lightning_sparse.array_ops.Ops` (NumPy on the CPU, torch
+changed. The work runs through :class:`~lightning_sparse.masks.elementwise.Ops` (NumPy on the CPU, torch
 elsewhere); ``keys`` callbacks receive and return arrays of that namespace.
 
 Example:
     >>> import torch
-    >>> from lightning_sparse.array_ops import ops_for
-    >>> from lightning_sparse.masks import NM
+    >>> from lightning_sparse.masks.elementwise import ops_for
+    >>> from lightning_sparse.masks.patterns import NM
     >>> mask = torch.tensor([[True, True, False, False, False, False, True, True]])
     >>> dropped = torch.tensor([[False, True, False, False, False, False, False, False]])
     >>> keys = torch.tensor([[0.0, 0.5, 0.9, 0.1, 3.0, 2.0, 0.0, 0.0]])
@@ -43,10 +43,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse import cpu_kernels
-from lightning_sparse.array_ops import Ops
-from lightning_sparse.masks import NM
-from lightning_sparse.tile_masks import _patterns_cpu
+from lightning_sparse.kernels import loops as cpu_kernels
+from lightning_sparse.masks.elementwise import Ops
+from lightning_sparse.masks.patterns import NM
+from lightning_sparse.masks.tiles import _patterns_cpu
 
 Keys = Callable[[object], object]
 """Given ascending group (or tile) indices, the keys of their positions: ``(len, M)`` for groups,

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse import cpu_kernels
+from lightning_sparse.kernels import loops as cpu_kernels
 
 CHUNK = 1 << 18
 """Elements per chunk on the CPU: 1 MiB of float32, which stays in the L2 cache with the bool
@@ -209,7 +209,7 @@ def apply_mask_change_(
     ``states`` (optimizer state shaped like ``weight``) becomes ``+0.0``. Bit for bit what
     :func:`multiply_by_mask_` and :func:`zero_where_` write: by index where few entries
     changed (under 1 in 64), else on the CPU in compiled loops
-    (:mod:`~lightning_sparse.cpu_kernels`).
+    (:mod:`~lightning_sparse.kernels.loops`).
 
     >>> weight, momentum = torch.tensor([1.5, -2.0, 3.0]), torch.tensor([0.5, 0.25, 0.75])
     >>> apply_mask_change_(weight, torch.tensor([True, False, True]),

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from lightning_sparse.array_ops import zero_where_
+from lightning_sparse.masks.elementwise import zero_where_
 
 
 def state_tensors(

@@ -8,9 +8,9 @@ hooks; a plain PyTorch loop can drive it directly.
 Example (plain PyTorch):
     >>> import torch
     >>> from torch import nn
-    >>> from lightning_sparse.schedule import Phase, resolve_phases
-    >>> from lightning_sparse.selection import select_parameters
-    >>> from lightning_sparse.sparsifier import Sparsifier
+    >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+    >>> from lightning_sparse.core.selection import select_parameters
+    >>> from lightning_sparse.engine.sparsifier import Sparsifier
     >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     >>> phases = resolve_phases([Phase(sparsity=0.5, until=5), Phase(sparsity=0.0)], total_steps=10)
@@ -40,12 +40,6 @@ from lightning_sparse.algorithms import (
     SparsityAlgorithm,
     build_algorithm,
 )
-from lightning_sparse.array_ops import (
-    apply_mask_change_,
-    as_multiplier,
-    free_scratch,
-    multiply_by_mask_,
-)
 from lightning_sparse.backends import (
     BackendChoice,
     choose_backend,
@@ -62,12 +56,22 @@ from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
 )
 from lightning_sparse.backends.speed import SpeedCheck
-from lightning_sparse.layer_threads import for_each_layer, plain_cpu, update_threads
+from lightning_sparse.core.schedule import ResolvedPhase, phase_at
+from lightning_sparse.core.selection import ParamTarget
+from lightning_sparse.engine.layer_threads import (
+    for_each_layer,
+    plain_cpu,
+    update_threads,
+)
+from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
+from lightning_sparse.engine.sharding import gather_full, shard_like
 from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
-from lightning_sparse.optim_state import state_tensors, zero_optimizer_state
-from lightning_sparse.schedule import ResolvedPhase, phase_at
-from lightning_sparse.selection import ParamTarget
-from lightning_sparse.sharding import gather_full, shard_like
+from lightning_sparse.masks.elementwise import (
+    apply_mask_change_,
+    as_multiplier,
+    free_scratch,
+    multiply_by_mask_,
+)
 
 STATE_VERSION = 1
 
@@ -94,7 +98,7 @@ class Sparsifier:
 
     Args:
         name: group name (used in messages and logs).
-        targets: the parameters to sparsify (see :func:`~lightning_sparse.selection.select_parameters`).
+        targets: the parameters to sparsify (see :func:`~lightning_sparse.core.selection.select_parameters`).
         phases: the resolved schedule.
         run: run length, used by algorithms to place update windows.
         backend: ``"auto"``, ``"masked"`` or ``"semi_structured"`` (see
@@ -105,7 +109,7 @@ class Sparsifier:
             against dense, and keep dense math where the sparse kernel is slower.
 
     Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
-    shards like the parameter (see :mod:`lightning_sparse.sharding`); call every method on
+    shards like the parameter (see :mod:`lightning_sparse.engine.sharding`); call every method on
     every rank, as the gathers are collectives.
     """
 
@@ -394,9 +398,9 @@ class Sparsifier:
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Zero the gradients of pruned weights: on the CPU, from
         :data:`COMPILED_GRADIENT_MASKING` entries on, one compiled loop per gradient
-        (:func:`~lightning_sparse.array_ops.multiply_by_mask_`) on as many threads as torch
+        (:func:`~lightning_sparse.masks.elementwise.multiply_by_mask_`) on as many threads as torch
         uses; otherwise (fewer entries, GPU, sharded) one fused ``torch._foreach_mul_`` per
-        dtype and device, by the masks' bytes (:func:`~lightning_sparse.array_ops.as_multiplier`)."""
+        dtype and device, by the masks' bytes (:func:`~lightning_sparse.masks.elementwise.as_multiplier`)."""
         key = id(optimizer)
         if key not in self._grad_lists:
             in_opt = {

@@ -32,10 +32,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_sparse.export import export_state_dict
+from lightning_sparse.formats.export import export_state_dict
 from lightning_sparse.masks import NM, is_nm
 
-FORMAT = "lightning_sparse.compressed/1"
+FORMAT = "lightning_sparse.formats.compressed/1"
 LAYOUT = (
     "sparse tensor <name>: '<name>::values' (the non-zero values, row-major) and "
     "'<name>::bitmask' (uint8; bit j of byte i is element 8*i+j of the flattened tensor, "

@@ -5,7 +5,7 @@ Pure Python: nothing here touches a model or a trainer. A :class:`Phase` is what
 with half-open step ranges ``[start, end)`` counted in optimizer steps.
 
 Example:
-    >>> from lightning_sparse.schedule import Phase, resolve_phases
+    >>> from lightning_sparse.core.schedule import Phase, resolve_phases
     >>> phases = [Phase(sparsity="2:4", until=0.7), Phase(sparsity=0.0)]
     >>> [(p.start, p.end, str(p.target)) for p in resolve_phases(phases, total_steps=1000)]
     [(0, 700, '2:4'), (700, 1000, '0.0')]

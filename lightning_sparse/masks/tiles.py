@@ -20,7 +20,7 @@ than ``sum |w|``, pass ``w.square()``.
 
 Example:
     >>> import torch
-    >>> from lightning_sparse.tile_masks import (
+    >>> from lightning_sparse.masks.tiles import (
     ...     is_transposable_2to4,
     ...     transposable_2to4_mask,
     ... )
@@ -38,7 +38,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_sparse.masks import nm_groups
+from lightning_sparse.masks.patterns import nm_groups
 
 __all__ = [
     "has_4x4_tiles",

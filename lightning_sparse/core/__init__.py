@@ -1,0 +1,1 @@
+"""Pure data and lookups: the phase schedule and parameter selection."""

@@ -1,0 +1,2 @@
+"""The engine: one group's sparsifier (no Lightning), optimizer-state masking, sharded tensors,
+threads for mask updates, and the fit-start table and end-of-fit summary."""

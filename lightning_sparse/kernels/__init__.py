@@ -1,0 +1,1 @@
+"""Optional compiled CPU loops for mask updates (the ``[cpu]`` extra)."""
