@@ -1,5 +1,8 @@
 """Cost of one mask update per algorithm vs one AdamW step over the same GPT-2-small weights (CPU).
 
+Each algorithm runs on both mask paths (``--paths``): the torch operations alone, and with the
+compiled loops of the ``[cpu]`` extra (skipped, with a note, where Numba is not installed).
+
 The weights are the 124.3 M parameters of GPT-2 small's weight matrices: 12 blocks of
 ``attn.c_attn`` 2304x768, ``attn.c_proj`` 768x768, ``mlp.c_fc`` 3072x768 and ``mlp.c_proj``
 768x3072 (84.9 M), plus ``wte`` 50257x768 and ``wpe`` 1024x768. All 50 are sparsified, so the
@@ -24,7 +27,7 @@ step in the phase" is the optimizer step after each timed step (the masked gradi
 exact zeros in AdamW's ``exp_avg_sq``, and torch's default CPU AdamW computes ``sqrt`` of zeros
 slowly on AVX-512).
 
-    python benchmarks/mask_update.py                  # ~7 minutes, ~6 GB, 1 thread
+    python benchmarks/mask_update.py                  # ~15 minutes, ~6 GB, 1 thread
     python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms "set 90%" "rigl 2:4"
 """
 
@@ -39,6 +42,7 @@ import torch
 from common import markdown_table, median
 from torch import nn
 
+from lightning_sparse import kernels
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
@@ -108,7 +112,17 @@ def main() -> None:
     parser.add_argument(
         "--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS)
     )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=["torch", "compiled"],
+        choices=["torch", "compiled"],
+        help="torch operations only, and/or with the compiled loops of the [cpu] extra",
+    )
     args = parser.parse_args()
+    if "compiled" in args.paths and not kernels.installed():
+        print("the [cpu] extra (numba) is not installed: timing the torch path only")
+        args.paths = [p for p in args.paths if p != "compiled"] or ["torch"]
     for option in ("repeats", "updates", "threads"):
         if getattr(args, option) < 1:
             parser.error(f"--{option}={getattr(args, option)}: use 1 or more")
@@ -151,49 +165,51 @@ def main() -> None:
     )
     targets = select_parameters(model, params=["*"]).targets
     adamw: list[float] = []
+    runs = [(name, path) for name in args.algorithms for path in args.paths]
     times = {
-        name: {"start": [], "update": [], "plain": [], "ratio": [], "adamw": []}
-        for name in args.algorithms
+        run: {"start": [], "update": [], "plain": [], "ratio": [], "adamw": []}
+        for run in runs
     }
     for repeat in range(args.repeats):
-        for name in args.algorithms:
-            restore_dense()
-            fresh_gradients()
-            adamw.append(seconds(optimizer.step))
-            restore_dense()
-            phases = resolve_phases([Phase.from_any(ALGORITHMS[name])], 100_000)
-            sparsifier = Sparsifier(name, targets, phases)
-            record = times[name]
-            record["start"].append(
-                seconds(lambda s=sparsifier: s.on_step_start(0, [optimizer]))
-            )
-            if sparsifier.algorithm is not None and sparsifier.algorithm.dynamic:
-                run: dict[str, list[float]] = {"update": [], "plain": []}
-                for step in range(1, 2 * args.updates + 1):
-                    fresh_gradients(step)
-                    kind = (
-                        "update"
-                        if sparsifier.algorithm.is_update_step(step)
-                        else "plain"
-                    )
-                    run[kind].append(
-                        seconds(
-                            lambda s=sparsifier, t=step: s.before_optimizer_step(
-                                t, optimizer, [optimizer]
+        for name, path in runs:
+            with kernels.compiled(path == "compiled"):
+                restore_dense()
+                fresh_gradients()
+                adamw.append(seconds(optimizer.step))
+                restore_dense()
+                phases = resolve_phases([Phase.from_any(ALGORITHMS[name])], 100_000)
+                sparsifier = Sparsifier(name, targets, phases)
+                record = times[name, path]
+                record["start"].append(
+                    seconds(lambda s=sparsifier: s.on_step_start(0, [optimizer]))
+                )
+                if sparsifier.algorithm is not None and sparsifier.algorithm.dynamic:
+                    run: dict[str, list[float]] = {"update": [], "plain": []}
+                    for step in range(1, 2 * args.updates + 1):
+                        fresh_gradients(step)
+                        kind = (
+                            "update"
+                            if sparsifier.algorithm.is_update_step(step)
+                            else "plain"
+                        )
+                        run[kind].append(
+                            seconds(
+                                lambda s=sparsifier, t=step: s.before_optimizer_step(
+                                    t, optimizer, [optimizer]
+                                )
                             )
                         )
-                    )
-                    # as in training: regrown weights move off zero (and the masked
-                    # gradients leave zeros in exp_avg_sq, which torch's sqrt is slow on)
-                    record["adamw"].append(seconds(optimizer.step))
-                # this run's update cost against the AdamW step timed just before it
-                cost = median(run["update"]) - median(run["plain"])
-                record["ratio"].append(cost / adamw[-1])
-                record["update"] += run["update"]
-                record["plain"] += run["plain"]
-            sparsifier.close()
+                        # as in training: regrown weights move off zero (and the masked
+                        # gradients leave zeros in exp_avg_sq, which torch's sqrt is slow on)
+                        record["adamw"].append(seconds(optimizer.step))
+                    # this run's update cost against the AdamW step timed just before it
+                    cost = median(run["update"]) - median(run["plain"])
+                    record["ratio"].append(cost / adamw[-1])
+                    record["update"] += run["update"]
+                    record["plain"] += run["plain"]
+                sparsifier.close()
             print(
-                f"  repeat {repeat + 1}: {name:<16} phase start {record['start'][-1]:6.2f} s"
+                f"  repeat {repeat + 1}: {name:<16} {path:<8} phase start {record['start'][-1]:6.2f} s"
                 + (
                     f", update step {record['update'][-1]:6.2f} s, plain step "
                     f"{record['plain'][-1]:5.2f} s"
@@ -204,12 +220,14 @@ def main() -> None:
                 flush=True,
             )
     base = median(adamw)
-    rows = [["AdamW step (torch default)", "-", f"{base * 1e3:.0f}", "1.00x", "-", "-"]]
-    for name in args.algorithms:
-        record = times[name]
+    rows = [
+        ["AdamW step (torch default)", "-", "-", f"{base * 1e3:.0f}", "1.00x", "-", "-"]
+    ]
+    for name, path in runs:
+        record = times[name, path]
         start = f"{median(record['start']) * 1e3:.0f}"
         if not record["update"]:
-            rows.append([name, "-", "-", "-", start, "-"])
+            rows.append([name, path, "-", "-", "-", start, "-"])
             continue
         plain = median(record["plain"])
         cost = median(record["update"]) - plain
@@ -217,6 +235,7 @@ def main() -> None:
         rows.append(
             [
                 name,
+                path,
                 f"{plain * 1e3:.0f}",
                 f"{cost * 1e3:.0f}",
                 f"{median(ratios):.2f}x ({ratios[0]:.2f} to {ratios[-1]:.2f})",
@@ -229,6 +248,7 @@ def main() -> None:
         markdown_table(
             [
                 "algorithm",
+                "path",
                 "gradient masking, every step (ms)",
                 "mask update (ms)",
                 "update / AdamW step",

@@ -3,7 +3,7 @@
     python benchmarks/tile_masks.py [--threads N] [--repeats R]
 
 Gaussian fp32 weights of a ViT-L MLP shape (4096x1024) and a GPT-2 MLP shape (3072x768).
-Masks: row-wise 2:4 (``topk_mask``, the baseline), the transposable greedy, the
+Masks: row-wise 2:4 (``target_mask``, the baseline), the transposable greedy, the
 transposable optimum (exactly 2 per tile row and column, or at most 2; by sum |w|, and by
 sum w^2), and torch's pure-Python reference, on |w| (what our greedy reproduces) and on
 the signed weights (torch's default). The reference is slow: it runs on a sub-block only,
@@ -29,7 +29,7 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parents[1])
 )  # this checkout, not an install
 
-from lightning_sparse.masks import NM, topk_mask
+from lightning_sparse.masks import NM, target_mask
 from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
@@ -40,8 +40,8 @@ SHAPES = [("ViT-L MLP fc1", 4096, 1024), ("GPT-2 MLP c_fc", 3072, 768)]
 
 METHODS: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
     (
-        "row-wise 2:4, `topk_mask(w.abs(), NM(2, 4))`",
-        lambda w: topk_mask(w.abs(), NM(2, 4)),
+        "row-wise 2:4, `target_mask(w.abs(), NM(2, 4))`",
+        lambda w: target_mask(w.abs(), NM(2, 4)),
     ),
     ("transposable greedy, `transposable_2to4_mask`", transposable_2to4_mask),
     ("transposable optimal, exactly 2 per row/col", optimal_transposable_2to4_mask),

@@ -5,9 +5,21 @@ import logging
 
 import pytest
 
+from lightning_sparse import kernels
+
 
 @pytest.fixture
 def lightning_log(caplog):
     """What Lightning's rank-zero logger prints (the callback's tables and summaries)."""
     caplog.set_level(logging.INFO, logger="lightning.pytorch")
     return caplog
+
+
+@pytest.fixture(params=["torch", "compiled"])
+def mask_path(request):
+    """Runs the test on the torch operations (the reference) and again on the compiled CPU
+    loops of the ``[cpu]`` extra (skipped where Numba is not installed)."""
+    if request.param == "compiled" and not kernels.installed():
+        pytest.skip("the compiled loops need the [cpu] extra (numba)")
+    with kernels.compiled(request.param == "compiled"):
+        yield request.param

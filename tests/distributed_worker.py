@@ -29,7 +29,7 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sharding import gather_full, is_sharded
 from lightning_sparse.engine.sparsifier import Sparsifier
-from lightning_sparse.masks import topk_mask
+from lightning_sparse.masks import target_mask
 
 
 class ShardedTinyModule(TinyModule):
@@ -158,7 +158,7 @@ def odd_shards() -> dict[str, Any]:
         sparsifier.on_step_start(0, [])
         saved = sparsifier.state_dict()["masks"]
         for t in targets:
-            expected = topk_mask(gather_full(t.param.detach()).abs(), phase.target)
+            expected = target_mask(gather_full(t.param.detach()).abs(), phase.target)
             report[f"{phase.algorithm} {t.name}"] = {
                 "equal": bool(torch.equal(saved[f"{t.name}_mask"], expected.cpu())),
                 "local_shape": list(sparsifier.masks[t.name].to_local().shape),

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_sparse import kernels
 
 
 class TinyNet(nn.Module):
@@ -162,3 +165,44 @@ def demo_trainer(**kwargs: Any) -> L.Trainer:
     return fast_trainer(
         **{"max_steps": 3, "limit_val_batches": 2, "num_sanity_val_steps": 2, **kwargs}
     )
+
+
+def on_both_paths(run):
+    """``run()`` on the torch operations and on the compiled CPU loops: ``(torch, compiled)``
+    (the test is skipped where the ``[cpu]`` extra is not installed)."""
+    if not kernels.installed():
+        pytest.skip("the compiled loops need the [cpu] extra (numba)")
+    with kernels.compiled(False):
+        reference = run()
+    with kernels.compiled(True):
+        compiled = run()
+    return reference, compiled
+
+
+def dst_updates(
+    algorithm: str, sparsity: float | str, steps: int = 3
+) -> list[torch.Tensor]:
+    """The masks of ``steps`` drop-and-grow updates of a 256x512 Linear (``update_every=1``,
+    fixed seeds), plus its final weight: a fingerprint of the whole mask-update path."""
+    from lightning_sparse.core.schedule import Phase, resolve_phases
+    from lightning_sparse.core.selection import select_parameters
+    from lightning_sparse.engine.sparsifier import Sparsifier
+
+    torch.manual_seed(0)
+    net = nn.Linear(512, 256, bias=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    phase = Phase(sparsity=sparsity, algorithm=algorithm, update_every=1, seed=3)
+    sp = Sparsifier(
+        "g",
+        select_parameters(net, params=["weight"]).targets,
+        resolve_phases([phase], 100),
+    )
+    sp.on_step_start(0, [opt])
+    results = []
+    for step in range(1, steps + 1):
+        net.weight.grad = torch.randn(256, 512)
+        sp.before_optimizer_step(step, opt, [opt])
+        opt.step()
+        results.append(sp.masks["weight"].clone())
+    sp.close()
+    return [*results, net.weight.detach().clone()]

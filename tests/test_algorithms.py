@@ -3,7 +3,7 @@ import torch
 
 from lightning_sparse.algorithms import MaskContext, build_algorithm
 from lightning_sparse.core.schedule import Phase, resolve_phases
-from lightning_sparse.masks import NM, is_nm, topk_mask
+from lightning_sparse.masks import NM, is_nm, target_mask
 from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
@@ -95,7 +95,7 @@ def test_runtime_projects_nm():
     assert torch.equal(mask, transposable_2to4_mask(w)) and is_transposable_2to4(mask)
     # other N:M targets and shapes: N largest |w| of every M along the input dimension
     w = torch.randn(6, 16)
-    assert torch.equal(algo.project(w), topk_mask(w.abs(), NM(2, 4)))
+    assert torch.equal(algo.project(w), target_mask(w.abs(), NM(2, 4)))
     assert int(algo_for(sparsity="1:4").project(torch.randn(8, 16)).sum()) == 32
 
 
@@ -121,7 +121,7 @@ def test_2to4_masks_of_stored_mask_algorithms_are_transposable():
     conv = torch.randn(8, 4, 2, 2)
     assert torch.equal(
         algo_for(sparsity="2:4", algorithm="static").select(conv.abs(), NM(2, 4)),
-        topk_mask(conv.abs(), NM(2, 4)),
+        target_mask(conv.abs(), NM(2, 4)),
     )
 
 

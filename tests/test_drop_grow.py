@@ -18,8 +18,7 @@ from lightning_sparse.algorithms.drop_grow import drop_and_grow
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
-from lightning_sparse.masks import NM, is_nm, keep_top, num_kept, topk_mask
-from lightning_sparse.masks import elementwise as array_ops
+from lightning_sparse.masks import NM, is_nm, mark_top_k, num_kept, target_mask
 from lightning_sparse.masks.tiles import is_transposable_2to4
 
 
@@ -28,7 +27,7 @@ def algo_for(total=100, **phase):
 
 
 def random_mask(shape, target, seed):
-    return topk_mask(
+    return target_mask(
         torch.rand(shape, generator=torch.Generator().manual_seed(seed)), target
     )
 
@@ -87,7 +86,7 @@ def test_transposable_2to4_stays_transposable(tile_rows, tile_cols, fraction, se
     n_active = int(mask.sum())
     n_drop = round(fraction * n_active)
     new = drop_and_grow(
-        weight, torch.rand(shape, generator=gen), mask, n_drop, NM(2, 4), select
+        weight, torch.rand(shape, generator=gen), mask, n_drop, NM(2, 4), "tiles"
     )
     assert is_transposable_2to4(new)
     tiles = new.reshape(tile_rows, 4, tile_cols, 4).sum((1, 3))
@@ -98,15 +97,10 @@ def test_transposable_2to4_stays_transposable(tile_rows, tile_cols, fraction, se
     assert bool(new[survivors].all()), "survivors stay"
 
 
-@pytest.mark.parametrize("numpy_views", [True, False])
-def test_2to4_tiles_from_one_that_is_not_transposable_on_refill_by_groups(
-    numpy_views, monkeypatch
-):
+def test_2to4_tiles_from_one_that_is_not_transposable_on_refill_by_groups(mask_path):
     """A 2:4 mask whose second tile row is not transposable (3 in a column of a tile, still
-    2 of every 4 along the rows): from it on (the array ops: from the chunk of tile rows
-    that holds it), the groups of 4 along the rows are refilled; N:M holds everywhere."""
-    if not numpy_views:
-        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
+    2 of every 4 along the rows): from it on, on every path, the groups of 4 along the rows
+    are refilled; N:M holds everywhere and the tile rows before it stay transposable."""
     gen = torch.Generator().manual_seed(0)
     select = algo_for(sparsity="2:4", algorithm="rigl").select
     mask = select(torch.rand(12, 8, generator=gen), NM(2, 4))
@@ -117,9 +111,9 @@ def test_2to4_tiles_from_one_that_is_not_transposable_on_refill_by_groups(
     weight = torch.randn(12, 8, generator=gen) * mask
     weight[4:8, :4] += 10 * weight[4:8, :4].sign()  # (the tile keeps its 3 in a column)
     grow = torch.rand(12, 8, generator=gen)
-    new = drop_and_grow(weight, grow, mask, 20, NM(2, 4), select)
+    new = drop_and_grow(weight, grow, mask, 20, NM(2, 4), "tiles")
     assert is_nm(new, NM(2, 4)) and int(new.sum()) == int(mask.sum())
-    assert is_transposable_2to4(new[:4]) or not numpy_views
+    assert is_transposable_2to4(new[:4])
     survivors = mask & (weight.abs() > weight.abs()[mask].sort().values[19])
     assert bool(new[survivors].all()), "survivors stay"
 
@@ -536,9 +530,9 @@ def test_resume_is_bitwise_equal(tmp_path, algorithm, resume_step):
         assert torch.equal(mask, cb.sparsifier.masks[name])
 
 
-def test_keep_top_is_used_for_exact_layer_counts():
+def test_a_layer_count_off_target_is_brought_to_it_exactly():
     # a DST layer whose mask count differs from the target (e.g. a hand-made mask) is
     # brought to the target exactly by its next update
-    mask = keep_top(torch.rand(10, 10), 40)
+    mask = mark_top_k(torch.rand(10, 10), 40)
     new = drop_and_grow(torch.randn(10, 10) * mask, torch.rand(10, 10), mask, 5, 0.5)
     assert int(new.sum()) == 50

@@ -16,7 +16,7 @@ from lightning_sparse import (
     to_semi_structured,
 )
 from lightning_sparse.formats.compressed import pack_bits, unpack_bits
-from lightning_sparse.masks import NM, topk_mask
+from lightning_sparse.masks import NM, target_mask
 
 
 def trained_checkpoint(tmp_path, phases):
@@ -123,7 +123,7 @@ def test_semi_structured_export_runs_2_4_weights_on_sparse_kernels():
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     model = model.half().cuda().eval()
     with torch.no_grad():
-        model[0].weight.mul_(topk_mask(model[0].weight.abs(), NM(2, 4)))
+        model[0].weight.mul_(target_mask(model[0].weight.abs(), NM(2, 4)))
     x = torch.randn(64, 128, device="cuda", dtype=torch.half)
     with torch.no_grad():
         expected = model(x)

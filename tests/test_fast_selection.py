@@ -1,11 +1,12 @@
-"""keep_top / top_indices: exact counts and the right entries, on the exact and the fast paths."""
+"""target_mask / mark_top_k / prune_smallest_: exact counts and the right entries, on the exact
+and the fast paths."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse.masks import drop_smallest, keep_top, top_indices
+from lightning_sparse.masks import mark_top_k, prune_smallest_, target_mask
 
 # Above 2**16 entries the sampled-threshold paths run; below, a plain topk.
 SIZES = [(7, 13), (300, 400), (1, 70_001)]
@@ -29,15 +30,16 @@ def scores(shape, kind, seed):
     fraction=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**16),
 )
-def test_keep_top_keeps_exactly_k_of_the_largest(shape, kind, fraction, seed):
+def test_target_mask_keeps_exactly_k_of_the_largest(shape, kind, fraction, seed):
     score = scores(shape, kind, seed)
-    k = round(fraction * score.numel())
-    mask = keep_top(score, k)
+    sparsity = min(fraction, 0.999)
+    k = score.numel() - round(sparsity * score.numel())
+    mask = target_mask(score, sparsity)
     assert mask.shape == score.shape and mask.dtype == torch.bool
     assert int(mask.sum()) == k
     if 0 < k < score.numel():
         assert score[mask].min() >= score[~mask].max()
-    assert torch.equal(mask, keep_top(score.clone(), k)), "deterministic"
+    assert torch.equal(mask, target_mask(score.clone(), sparsity)), "deterministic"
 
 
 @settings(max_examples=40, deadline=None)
@@ -49,7 +51,7 @@ def test_keep_top_keeps_exactly_k_of_the_largest(shape, kind, fraction, seed):
     excluded=st.floats(0.0, 0.5),
     seed=st.integers(0, 2**16),
 )
-def test_top_indices_picks_exactly_k_eligible_extremes(
+def test_mark_top_k_picks_exactly_k_eligible_extremes(
     shape, kind, fraction, largest, excluded, seed
 ):
     score = scores(shape, kind, seed)
@@ -57,11 +59,8 @@ def test_top_indices_picks_exactly_k_eligible_extremes(
     exclude = torch.rand(shape, generator=gen) < excluded
     eligible = ~exclude
     k = round(fraction * int(eligible.sum()))
-    picked = top_indices(score, k, largest=largest, exclude=exclude)
-    chosen = torch.zeros(score.numel(), dtype=torch.bool)
-    chosen[picked] = True
-    chosen = chosen.reshape(shape)
-    assert picked.numel() == k and int(chosen.sum()) == k, "distinct indices"
+    chosen = mark_top_k(score, k, largest=largest, excluding=exclude)
+    assert chosen.shape == score.shape and int(chosen.sum()) == k
     assert not bool((chosen & exclude).any())
     rest = eligible & ~chosen
     if 0 < k and rest.any():
@@ -72,10 +71,12 @@ def test_top_indices_picks_exactly_k_eligible_extremes(
 
 
 def test_selection_rejects_impossible_counts():
-    with pytest.raises(ValueError, match="cannot keep 5 of 4 entries"):
-        keep_top(torch.zeros(4), 5)
+    with pytest.raises(ValueError, match="cannot pick 5 of 4 eligible entries"):
+        mark_top_k(torch.zeros(4), 5)
     with pytest.raises(ValueError, match="cannot pick 3 of 2 eligible entries"):
-        top_indices(torch.zeros(4), 3, exclude=torch.tensor([True, True, False, False]))
+        mark_top_k(
+            torch.zeros(4), 3, excluding=torch.tensor([True, True, False, False])
+        )
 
 
 @settings(max_examples=40, deadline=None)
@@ -85,15 +86,16 @@ def test_selection_rejects_impossible_counts():
     fraction=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**16),
 )
-def test_drop_smallest_removes_exactly_the_smallest_kept(
+def test_prune_smallest_removes_exactly_the_smallest_kept(
     shape, density, fraction, seed
 ):
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(shape, generator=gen)
     mask = torch.rand(shape, generator=gen) < density
     n_drop = round(fraction * int(mask.sum()))
-    survivors = drop_smallest(weight, mask, n_drop)
-    dropped = mask & ~survivors
+    survivors = mask.clone()
+    dropped = prune_smallest_(weight, survivors, n_drop).clone()
+    assert torch.equal(dropped, mask & ~survivors)
     assert not bool((survivors & ~mask).any())
     assert int(dropped.sum()) == n_drop
     if dropped.any() and survivors.any():

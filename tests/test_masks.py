@@ -8,7 +8,7 @@ from lightning_sparse.masks import (
     name_seed,
     num_kept,
     random_score,
-    topk_mask,
+    target_mask,
 )
 
 
@@ -16,7 +16,7 @@ from lightning_sparse.masks import (
 @pytest.mark.parametrize("shape", [(16, 8), (7, 13), (4, 3, 3, 3)])
 def test_unstructured_mask_has_exact_count(sparsity, shape):
     score = torch.randn(shape)
-    mask = topk_mask(score, sparsity)
+    mask = target_mask(score, sparsity)
     numel = score.numel()
     assert mask.dtype == torch.bool and mask.shape == score.shape
     assert int(mask.sum()) == num_kept(numel, sparsity)
@@ -28,7 +28,7 @@ def test_unstructured_mask_has_exact_count(sparsity, shape):
 @pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 4), (4, 8), (1, 2)])
 def test_nm_mask_keeps_n_of_every_m_along_inputs(n, m):
     score = torch.randn(12, 4 * m)
-    mask = topk_mask(score, NM(n, m))
+    mask = target_mask(score, NM(n, m))
     groups = mask.reshape(12, -1, m)
     assert bool((groups.sum(-1) == n).all())
     assert is_nm(mask, NM(n, m))
@@ -41,7 +41,7 @@ def test_nm_mask_keeps_n_of_every_m_along_inputs(n, m):
 
 def test_nm_on_conv_groups_input_channels_times_kernel():
     score = torch.randn(8, 4, 3, 3)  # 36 inputs per output
-    mask = topk_mask(score, NM(2, 4))
+    mask = target_mask(score, NM(2, 4))
     assert is_nm(mask, NM(2, 4)) and int(mask.sum()) == 8 * 18
 
 
@@ -50,7 +50,7 @@ def test_nm_needs_divisible_inputs():
         ValueError,
         match=r"shape \(4, 6\) has 6 inputs per output, not a multiple of M=4",
     ):
-        topk_mask(torch.randn(4, 6), NM(2, 4))
+        target_mask(torch.randn(4, 6), NM(2, 4))
 
 
 def test_seeds_depend_on_name_and_step_not_order():

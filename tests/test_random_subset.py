@@ -4,7 +4,7 @@ its regimes (draw the chosen, draw the left-out, score every entry)."""
 import pytest
 import torch
 
-from lightning_sparse.masks.random_subset import random_subset
+from lightning_sparse.masks.random import random_subset
 
 
 def excluded_mask(n, fraction, seed):

@@ -20,7 +20,7 @@ from lightning_sparse.backends.semi_structured import (
     SemiStructuredLinear,
     install_semi_structured_forward,
 )
-from lightning_sparse.masks import topk_mask
+from lightning_sparse.masks import target_mask
 from lightning_sparse.masks.tiles import (
     is_transposable_2to4,
     optimal_transposable_2to4_mask,
@@ -260,7 +260,7 @@ class RowWise(SparsityAlgorithm):
     straight_through = True
 
     def initial_mask(self, weight, target, ctx):
-        return topk_mask(weight.abs(), target)
+        return target_mask(weight.abs(), target)
 
 
 def test_a_non_transposable_custom_mask_runs_masked_or_raises(

@@ -321,8 +321,8 @@ def test_optimal_uses_float64_scores_when_fp32_matmuls_may_be_reduced() -> None:
 def test_tables() -> None:
     step, last, keep = tile_masks._greedy_tables_cpu()
     assert keep.shape == (7343, 16) and step.shape == last.shape == (7343 * 16,)
-    assert tile_masks._patterns_cpu(True).shape == (90, 16)
-    assert tile_masks._patterns_cpu(False).shape == (186, 16)
+    assert tile_masks.tile_patterns(True).shape == (90, 16)
+    assert tile_masks.tile_patterns(False).shape == (186, 16)
 
 
 # --- is_transposable_2to4 ------------------------------------------------------------------------

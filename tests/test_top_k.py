@@ -1,23 +1,23 @@
-"""top_k_mask and the array operations under it: exact choices, ties by position, and the
-compiled (CPU float32/64), NumPy (CPU) and torch paths giving identical bits."""
+"""mark_top_k and the elementwise operations: exact choices, ties by position, and the torch
+operations and the compiled CPU loops (float32/64) giving identical bits."""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from helpers import on_both_paths
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_sparse.kernels import loops as cpu_kernels
-from lightning_sparse.masks import elementwise as array_ops
 from lightning_sparse.masks.elementwise import (
-    abs_into,
+    apply_mask_change_,
     count_true,
     flat_nonzero,
+    free_scratch,
     multiply_by_mask_,
     scratch_mask,
     zero_where_,
 )
-from lightning_sparse.masks.top_k import LARGE, top_k_mask
+from lightning_sparse.masks.top_k import LARGE, mark_top_k
 
 # Above LARGE entries the sampled-threshold path runs; below, a stable sort.
 SIZES = [(7, 13), (300, 400), (1, LARGE + 5)]
@@ -46,15 +46,16 @@ def by_sorting(values, k, largest, magnitude, eligible):
     return chosen.view(values.shape)
 
 
-@pytest.fixture(params=["numpy", "torch"])
-def path(request, monkeypatch):
-    """Run each test on both paths: NumPy views, or torch ops (as on a GPU)."""
-    if request.param == "torch":
-        monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
-    return request.param
+def kernel_loops():
+    """The compiled loops themselves (skips the test without the [cpu] extra)."""
+    return pytest.importorskip("lightning_sparse.kernels.loops", exc_type=ImportError)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     shape=st.sampled_from(SIZES),
     kind=st.sampled_from(["gaussian", "ties", "sorted", "zeros"]),
@@ -66,9 +67,9 @@ def path(request, monkeypatch):
     dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
 )
 def test_top_k_is_the_stable_sort_choice(
-    shape, kind, fraction, largest, magnitude, restrict, seed, dtype
+    mask_path, shape, kind, fraction, largest, magnitude, restrict, seed, dtype
 ):
-    """float32/64 run the compiled pass on the CPU, float16 the NumPy one."""
+    """On the compiled path float32/64 run the compiled pass, float16 the torch one."""
     values = values_of(kind, shape, seed).to(dtype)
     flags = torch.rand(shape, generator=torch.Generator().manual_seed(seed + 1)) < 0.4
     eligible = {None: torch.ones_like(flags), "among": flags, "excluding": ~flags}
@@ -77,33 +78,15 @@ def test_top_k_is_the_stable_sort_choice(
     restriction = {"among": flags} if restrict == "among" else {}
     if restrict == "excluding":
         restriction = {"excluding": flags}
-    chosen = top_k_mask(values, k, largest=largest, magnitude=magnitude, **restriction)
+    chosen = mark_top_k(values, k, largest=largest, magnitude=magnitude, **restriction)
     assert chosen.dtype == torch.bool and chosen.shape == values.shape
     assert torch.equal(chosen, by_sorting(values, k, largest, magnitude, eligible))
 
 
-@pytest.mark.parametrize("kind", ["gaussian", "ties", "sorted"])
-def test_numpy_and_torch_paths_agree(kind, monkeypatch):
-    values = values_of(kind, (3, 40_000), 5)
-    among = torch.rand(3, 40_000, generator=torch.Generator().manual_seed(6)) < 0.3
-    runs = []
-    for use_numpy in (True, False):
-        if not use_numpy:
-            monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
-        runs.append(
-            [
-                top_k_mask(values, 5000, magnitude=True, among=among),
-                top_k_mask(values, 30_000, largest=False, excluding=among),
-            ]
-        )
-    for numpy_run, torch_run in zip(*runs):
-        assert torch.equal(numpy_run, torch_run)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["gaussian", "ties", "sorted", "nan"])
-def test_compiled_and_numpy_passes_agree(kind, dtype, monkeypatch):
-    """The compiled CPU pass (float32/64) marks exactly what the chunked NumPy pass marks, with
+def test_compiled_and_torch_passes_agree(kind, dtype):
+    """The compiled CPU pass (float32/64) marks exactly what the chunked torch pass marks, with
     every restriction and direction, NaN included."""
     values = values_of("gaussian" if kind == "nan" else kind, (3, 40_000), 7).to(dtype)
     if kind == "nan":
@@ -115,16 +98,15 @@ def test_compiled_and_numpy_passes_agree(kind, dtype, monkeypatch):
         {"k": 60_000, "largest": False, "magnitude": True},
         {"k": 1000},
     ]
-    runs = []
-    for compiled in (True, False):
-        if not compiled:
-            monkeypatch.setattr(cpu_kernels, "accepts", lambda *arrays: False)
-        runs.append([top_k_mask(values, **request) for request in requests])
-    for compiled_run, numpy_run in zip(*runs):
-        assert torch.equal(compiled_run, numpy_run)
+    runs = on_both_paths(
+        lambda: [mark_top_k(values, **request) for request in requests]
+    )
+    for torch_run, compiled_run in zip(*runs):
+        assert torch.equal(torch_run, compiled_run)
 
 
 def test_threshold_pass_stops_where_the_band_outgrows_its_buffer():
+    cpu_kernels = kernel_loops()
     x = np.repeat(
         np.arange(100, dtype=np.float32), 100
     )  # v fills x[100 v : 100 v + 100]
@@ -148,6 +130,7 @@ def test_threshold_pass_stops_where_the_band_outgrows_its_buffer():
 def test_threshold_pass_lists_every_band_entry_in_order(band_fraction):
     """The band is listed 64 flags at a time: sparse, dense and full bands, a last block
     shorter than 64 entries, eligibility flags and magnitudes."""
+    cpu_kernels = kernel_loops()
     gen = np.random.default_rng(3)
     x = gen.standard_normal(5 * cpu_kernels.BLOCK + 37).astype(np.float32)
     flags = (gen.random(x.size) < 0.7).astype(np.uint8)
@@ -169,9 +152,11 @@ def test_threshold_pass_lists_every_band_entry_in_order(band_fraction):
     "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 )
 @pytest.mark.parametrize("changed_fraction", [0.005, 0.3])
-def test_apply_mask_change_is_multiply_and_zero_bit_for_bit(dtype, changed_fraction):
-    """By index (few changes), compiled (float32/64), NumPy (float16) or torch (bfloat16):
-    the bits of multiplying the weight by the mask and zeroing the state where it changed."""
+def test_apply_mask_change_is_multiply_and_zero_bit_for_bit(
+    mask_path, dtype, changed_fraction
+):
+    """By index (few changes), compiled (float32/64 on that path) or torch: the bits of
+    multiplying the weight by the mask and zeroing the state where it changed."""
     gen = torch.Generator().manual_seed(0)
     mask = torch.rand(300, 500, generator=gen) < 0.5
     changed = torch.rand(300, 500, generator=gen) < changed_fraction
@@ -179,7 +164,7 @@ def test_apply_mask_change_is_multiply_and_zero_bit_for_bit(dtype, changed_fract
     weight = (torch.randn(300, 500, generator=gen) * old_mask).to(dtype)
     states = [torch.randn(300, 500, generator=gen).to(dtype) for _ in range(2)]
     expected = [weight * mask] + [s.masked_fill(changed, 0) for s in states]
-    array_ops.apply_mask_change_(weight, mask, changed, states)
+    apply_mask_change_(weight, mask, changed, states)
     int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[weight.element_size()]
     for got, want in zip([weight, *states], expected):
         assert torch.equal(got.view(int_type), want.view(int_type))
@@ -189,25 +174,25 @@ def test_out_and_known_count_and_bfloat16():
     values = torch.randn(200, 400, generator=torch.Generator().manual_seed(0))
     among = values > -0.5
     out = torch.empty(200 * 400, dtype=torch.bool)
-    chosen = top_k_mask(values, 1000, among=among, n_eligible=int(among.sum()), out=out)
+    chosen = mark_top_k(values, 1000, among=among, n_eligible=int(among.sum()), out=out)
     assert chosen.data_ptr() == out.data_ptr()
     assert torch.equal(chosen, by_sorting(values, 1000, True, False, among))
-    half = values.bfloat16()  # no NumPy dtype: the torch path, with many ties
+    half = values.bfloat16()  # many ties
     assert torch.equal(
-        top_k_mask(half, 7000, magnitude=True),
+        mark_top_k(half, 7000, magnitude=True),
         by_sorting(half.float(), 7000, True, True, torch.ones_like(among)),
     )
 
 
 def test_top_k_rejects_impossible_requests():
     with pytest.raises(ValueError, match="cannot pick 3 of 2 eligible entries"):
-        top_k_mask(torch.zeros(4), 3, among=torch.tensor([True, True, False, False]))
+        mark_top_k(torch.zeros(4), 3, among=torch.tensor([True, True, False, False]))
     with pytest.raises(ValueError, match="either among or excluding"):
         flags = torch.ones(4, dtype=torch.bool)
-        top_k_mask(torch.zeros(4), 1, among=flags, excluding=flags)
+        mark_top_k(torch.zeros(4), 1, among=flags, excluding=flags)
 
 
-def test_masking_ops_match_torch_bit_for_bit(path):
+def test_masking_ops_match_torch_bit_for_bit(mask_path):
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(1000, generator=gen)
     values[:10] = torch.tensor(
@@ -232,27 +217,5 @@ def test_scratch_masks_are_reused_per_slot():
     other = scratch_mask(50, torch.device("cpu"), slot=1)
     assert first.numel() == 100 and again.numel() == 50
     assert again.data_ptr() == first.data_ptr() != other.data_ptr()
-    array_ops.free_scratch()
+    free_scratch()
     assert scratch_mask(10, torch.device("cpu")).numel() == 10
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
-def test_abs_into_writes_the_bits_of_abs(dtype, path):
-    values = torch.tensor(
-        [
-            0.0,
-            -0.0,
-            1.5,
-            -2.5,
-            float("inf"),
-            -float("inf"),
-            float("nan"),
-            -float("nan"),
-        ],
-        dtype=dtype,
-    )
-    xp, (flat,) = array_ops.backend(values)
-    out = array_ops.scratch(xp, flat, len(flat))
-    got = array_ops.as_tensor(abs_into(xp, flat, out), values.device)
-    int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
-    assert torch.equal(got.view(int_type), values.abs().view(int_type))

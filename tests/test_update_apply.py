@@ -4,6 +4,7 @@ by the new mask; whether the update edits few entries (by index) or many (whole 
 
 import pytest
 import torch
+from helpers import dst_updates, on_both_paths
 from torch import nn
 
 from lightning_sparse.core.schedule import Phase, resolve_phases
@@ -56,34 +57,12 @@ def test_update_applies_exactly_the_new_mask(algorithm, drop_fraction):
 
 @pytest.mark.parametrize("algorithm", ["set", "rigl"])
 @pytest.mark.parametrize("sparsity", [0.9, "2:4", "1:4"])
-def test_numpy_and_torch_paths_give_the_same_masks(algorithm, sparsity, monkeypatch):
-    """The CPU runs NumPy where it can; other devices (and bfloat16) run torch ops: the
-    masks are the same either way."""
-    from lightning_sparse.masks import elementwise as array_ops
-
-    results = []
-    for use_numpy in (True, False):
-        if not use_numpy:
-            monkeypatch.setattr(array_ops, "numpy_view", lambda tensor: None)
-        torch.manual_seed(0)
-        net = nn.Linear(512, 256, bias=False)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        phase = Phase(sparsity=sparsity, algorithm=algorithm, update_every=1, seed=3)
-        sp = Sparsifier(
-            "g",
-            select_parameters(net, params=["weight"]).targets,
-            resolve_phases([phase], 100),
-        )
-        sp.on_step_start(0, [opt])
-        masks = []
-        for step in (1, 2, 3):
-            net.weight.grad = torch.randn(256, 512)
-            sp.before_optimizer_step(step, opt, [opt])
-            opt.step()
-            masks.append(sp.masks["weight"].clone())
-        results.append(masks)
-    for numpy_mask, torch_mask in zip(*results):
-        assert torch.equal(numpy_mask, torch_mask)
+def test_torch_and_compiled_paths_give_the_same_masks(algorithm, sparsity):
+    """The compiled CPU loops and the torch operations give the same masks and weights
+    through whole updates."""
+    reference, compiled = on_both_paths(lambda: dst_updates(algorithm, sparsity))
+    for a, b in zip(reference, compiled):
+        assert torch.equal(a, b)
 
 
 def test_bfloat16_weights_update_exactly():
@@ -139,15 +118,17 @@ def mask_gradients_at(net, grads, threads, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32, torch.float64), (torch.float16, torch.bfloat16)]
+)
 def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
-    threads, monkeypatch
+    mask_path, dtypes, threads, monkeypatch
 ):
-    """Many plain CPU gradients are masked by compiled loops on torch's threads (float32/64),
-    NumPy (float16) or torch (bfloat16): always the bits of ``grad * mask`` (signed zeros,
-    NaN)."""
+    """Many plain CPU gradients are masked by compiled loops on torch's threads (float32/64
+    with the [cpu] extra), else by torch's fused multiply: always the bits of
+    ``grad * mask`` (signed zeros, NaN)."""
     monkeypatch.setattr(sparsifier, "COMPILED_GRADIENT_MASKING", 0)  # any size
     torch.manual_seed(0)
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
     net = nn.ModuleList(nn.Linear(64, 32, bias=False).to(dtype) for dtype in dtypes)
     grads = []
     for layer in net:  # pruned: their first entries, where the gradients are special
@@ -156,7 +137,8 @@ def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
         grad.view(-1)[:4] = torch.tensor([float("nan"), -1.0, float("-inf"), 0.0])
         grads.append(grad)
     masks, workers = mask_gradients_at(net, grads, threads, monkeypatch)
-    assert workers == [threads]
+    compiled = mask_path == "compiled" and torch.float16 not in dtypes
+    assert workers == ([threads] if compiled else [])
     for layer, grad, mask in zip(net, grads, masks):
         want = grad * mask
         kind = {2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]

@@ -45,7 +45,7 @@ from lightning_sparse.masks import (
     from_zeros_mask,
     name_seed,
     random_score,
-    topk_mask,
+    target_mask,
 )
 from lightning_sparse.masks.tiles import has_4x4_tiles, optimal_transposable_2to4_mask
 
@@ -95,6 +95,11 @@ class SparsityAlgorithm:
             for several layers at once on worker threads (CPU weights, when torch uses more
             than one thread; see :mod:`~lightning_sparse.engine.layer_threads`). Not inherited: a
             subclass runs its layers one after another unless it sets this itself.
+        updates_in_place: ``True`` if :meth:`update_mask_` edits the mask in place by the rule
+            of :meth:`update_mask` (the built-in dynamic algorithms). A subclass that defines
+            its own :meth:`update_mask` turns it off, so its rule is the one used.
+        custom_select: ``True`` if :meth:`select` is a subclass's own (set automatically when
+            a subclass defines it); refills after a drop then rank the whole mask through it.
 
     Example:
         >>> import torch
@@ -118,11 +123,19 @@ class SparsityAlgorithm:
     default_update_every: ClassVar[int] = 100
     default_update_stop_fraction: ClassVar[float] = 1.0  # of the phase length
     layers_in_parallel: ClassVar[bool] = False
+    updates_in_place: ClassVar[bool] = False
+    custom_select: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if "layers_in_parallel" not in vars(cls):  # a subclass's own code may not be
-            cls.layers_in_parallel = False  # thread-safe
+        own = vars(cls)
+        # a subclass's own code may not be thread-safe
+        if "layers_in_parallel" not in own:
+            cls.layers_in_parallel = False
+        if "update_mask" in own and "updates_in_place" not in own:
+            cls.updates_in_place = False
+        if "select" in own and "custom_select" not in own:
+            cls.custom_select = True
 
     def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
         spec = phase.spec
@@ -223,10 +236,18 @@ class SparsityAlgorithm:
         (so ``W.T`` is 2:4 too and 2:4 kernels can also run the backward matmul). Other N:M
         targets and shapes: N of every M along the input dimension.
         """
-        if target == NM(2, 4) and has_4x4_tiles(score):
+        if isinstance(target, NM) and self.nm_layout(score, target) == "tiles":
             # every candidate pattern keeps 8 of 16, so shifting the scores keeps the argmax
             return optimal_transposable_2to4_mask(score - score.amin())
-        return topk_mask(score, target)
+        return target_mask(score, target)
+
+    def nm_layout(self, like: Tensor, target: NM) -> str | None:
+        """How :meth:`select` lays out ``target`` on a weight shaped like ``like``:
+        ``"tiles"`` (transposable 2:4 tiles), ``"groups"`` (N of every M along the input
+        dimension), or ``None`` for a custom :meth:`select`."""
+        if self.custom_select:
+            return None
+        return "tiles" if target == NM(2, 4) and has_4x4_tiles(like) else "groups"
 
     def selection_score(
         self, weight: Tensor, mask: Tensor | None, ctx: MaskContext
@@ -303,12 +324,6 @@ class SparsityAlgorithm:
         raise NotImplementedError(
             f"algorithm {self.name!r} does not project masks per forward"
         )
-
-
-def overrides(algorithm: SparsityAlgorithm, method: str, base: type) -> bool:
-    """Whether ``algorithm``'s class replaces ``base``'s ``method`` (a built-in fast path then
-    steps aside for the subclass's rule)."""
-    return getattr(type(algorithm), method) is not getattr(base, method)
 
 
 _REGISTRY: dict[str, type[SparsityAlgorithm]] = {}

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_sparse.masks import NM, Sparsity, keep_top, num_kept
+from lightning_sparse.masks import NM, Sparsity, mark_top_k, num_kept
 
 Shapes = Mapping[str, torch.Size]
 Score = Callable[[str], Tensor]
@@ -82,7 +82,7 @@ def global_threshold(
     if keep in (0, sum(numel.values())):
         return dict.fromkeys(shapes, target)
     device = next(iter(scores.values())).device
-    chosen = keep_top(torch.cat([s.to(device) for s in scores.values()]), keep)
+    chosen = mark_top_k(torch.cat([s.to(device) for s in scores.values()]), keep)
     kept, offset = {}, 0
     for name in shapes:
         kept[name] = int(torch.count_nonzero(chosen[offset : offset + numel[name]]))

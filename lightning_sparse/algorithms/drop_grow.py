@@ -54,7 +54,6 @@ from lightning_sparse.algorithms.base import (
     MaskContext,
     RunLength,
     SparsityAlgorithm,
-    overrides,
     register_algorithm,
 )
 from lightning_sparse.algorithms.regrowth import AtRandom, ByScore, Regrowth, Select
@@ -63,11 +62,10 @@ from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.masks import (
     NM,
     Sparsity,
-    drop_smallest_,
     num_kept,
-    smallest_active,
+    prune_smallest_,
+    smallest_kept,
     sparsity_fraction,
-    topk_mask,
 )
 from lightning_sparse.masks.elementwise import count_true, scratch_mask
 
@@ -85,15 +83,18 @@ def drop_and_grow(
     mask: Tensor,
     n_drop: int,
     target: Sparsity,
-    select: Select = topk_mask,
+    layout: str | None = "groups",
+    select: Select | None = None,
 ) -> Tensor:
     """Drop the ``n_drop`` active entries of ``mask`` with the smallest ``|weight|`` and regrow
     the highest-``grow_score`` entries that are not active after the drop, so that ``target``
     holds exactly (ties: the lower flat index is dropped, or regrown, first). N:M: every group
-    regrows as many as it lost, through ``select`` (an algorithm's own, so a 2:4 layer that
-    ``select`` makes transposable stays transposable). ``mask`` is not modified."""
+    regrows as many as it lost, in the ``layout`` of
+    :meth:`~lightning_sparse.algorithms.SparsityAlgorithm.nm_layout` (``"tiles"``: a
+    transposable 2:4 mask stays transposable; ``None``: through a custom ``select``).
+    ``mask`` is not modified."""
     new = mask.clone()
-    drop_and_grow_(weight, new, n_drop, target, ByScore(grow_score), select)
+    drop_and_grow_(weight, new, n_drop, target, ByScore(grow_score), layout, select)
     return new
 
 
@@ -104,7 +105,8 @@ def drop_and_grow_(
     n_drop: int,
     target: Sparsity,
     regrowth: Regrowth,
-    select: Select = topk_mask,
+    layout: str | None = "groups",
+    select: Select | None = None,
     n_active: int | None = None,
 ) -> Tensor:
     """:func:`drop_and_grow` in place, with the regrowth rule given: edits ``mask`` and
@@ -115,12 +117,12 @@ def drop_and_grow_(
         n_active = count_true(mask)
     if isinstance(target, NM):
         # drop and refill in place: the dropped entries become the changed ones
-        changed = smallest_active(weight, mask, n_drop, n_active)  # slot 0
-        regrowth.refill_(mask, changed, target, select)
+        changed = smallest_kept(weight, mask, n_drop, n_active)  # slot 0
+        regrowth.refill_(mask, changed, target, layout, select)
         return changed
     kept = num_kept(mask.numel(), float(target))
     n_survivors = max(0, min(n_active, kept) - n_drop)
-    changed = drop_smallest_(weight, mask, n_active - n_survivors, n_active)  # slot 0
+    changed = prune_smallest_(weight, mask, n_active - n_survivors, n_active)  # slot 0
     out = scratch_mask(mask.numel(), mask.device, slot=1)
     grown = regrowth.pick(mask, kept - n_survivors, out=out).view(mask.shape)
     mask |= grown
@@ -132,7 +134,8 @@ class DropAndGrow(SparsityAlgorithm):
     """Base class of dynamic sparse training by drop and regrowth (``set``, ``rigl``).
 
     A subclass implements :meth:`grow_score` (with ``grow_by_magnitude = True``, the entries
-    of largest ``|grow_score|`` regrow); everything else (drop by magnitude, exact counts, N:M
+    of largest ``|grow_score|`` regrow; ``regrows_at_random = True`` regrows uniformly at
+    random instead, as ``set`` does); everything else (drop by magnitude, exact counts, N:M
     groups, the ``drop_fraction`` schedule, distributions) comes from here.
 
     Example:
@@ -152,6 +155,15 @@ class DropAndGrow(SparsityAlgorithm):
     default_update_stop_fraction = 0.75
     default_drop_fraction: ClassVar[float] = 0.3
     grow_by_magnitude: ClassVar[bool] = False
+    regrows_at_random: ClassVar[bool] = False
+    updates_in_place = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "grow_score" in vars(cls) and "regrows_at_random" not in vars(cls):
+            cls.regrows_at_random = (
+                False  # a subclass with its own scores regrows by them
+            )
 
     def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
         super().__init__(phase, run)
@@ -249,7 +261,7 @@ class DropAndGrow(SparsityAlgorithm):
     def update_mask_(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor | None:
-        if overrides(self, "update_mask", DropAndGrow):
+        if not self.updates_in_place:
             return super().update_mask_(weight, mask, target, ctx)
         # layer_targets keeps each layer's count, so the target says how many are active
         n_active = num_kept(mask.numel(), sparsity_fraction(target))
@@ -259,8 +271,9 @@ class DropAndGrow(SparsityAlgorithm):
         regrowth = self.regrowth(weight, mask, ctx)
         if regrowth is None:
             return None
+        layout = self.nm_layout(mask, target) if isinstance(target, NM) else None
         return drop_and_grow_(
-            weight, mask, n_drop, target, regrowth, self.select, n_active
+            weight, mask, n_drop, target, regrowth, layout, self.select, n_active
         )
 
 
@@ -276,11 +289,12 @@ class SET(DropAndGrow):
     """
 
     layers_in_parallel = True
+    regrows_at_random = True
 
     def regrowth(
         self, weight: Tensor, mask: Tensor, ctx: MaskContext
     ) -> Regrowth | None:
-        if overrides(self, "grow_score", SET):  # a subclass with its own scores
+        if not self.regrows_at_random:
             return super().regrowth(weight, mask, ctx)
         return AtRandom(self.seed, ctx.name, ctx.step)
 

@@ -13,12 +13,11 @@ from lightning_sparse.algorithms.base import (
     MaskContext,
     RunLength,
     SparsityAlgorithm,
-    overrides,
     register_algorithm,
 )
 from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
 from lightning_sparse.core.schedule import ResolvedPhase, parse_sparsity
-from lightning_sparse.masks import Sparsity, drop_smallest, drop_smallest_, num_kept
+from lightning_sparse.masks import Sparsity, num_kept, prune_smallest_
 from lightning_sparse.masks.elementwise import count_true
 
 RAMPS = {
@@ -49,6 +48,7 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     """
 
     layers_in_parallel = True
+    updates_in_place = True
     dynamic = True
     supports_nm = False
     option_names = SparsityAlgorithm.option_names | {"ramp", "initial_sparsity"}
@@ -109,7 +109,9 @@ class GradualMagnitudePruning(SparsityAlgorithm):
         if (
             kept <= active
         ):  # pruning further: drop the smallest survivors (the usual case)
-            return drop_smallest(weight, mask, active - kept)
+            survivors = mask.clone()
+            prune_smallest_(weight, survivors, active - kept, active)
+            return survivors
         # a schedule that goes down: pruned weights score -1, so they come back last
         return self.select(self.selection_score(weight, mask, ctx), target)
 
@@ -118,6 +120,6 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     ) -> Tensor | None:
         kept = num_kept(mask.numel(), float(target))
         active = count_true(mask)
-        if overrides(self, "update_mask", GradualMagnitudePruning) or kept > active:
+        if not self.updates_in_place or kept > active:
             return super().update_mask_(weight, mask, target, ctx)
-        return drop_smallest_(weight, mask, active - kept, active)
+        return prune_smallest_(weight, mask, active - kept, active)

@@ -1,13 +1,9 @@
 """Running the per-layer part of a mask update on several CPU threads at once.
 
-A mask update works layer by layer, and on the CPU nearly all of a layer's work runs in
-compiled loops (:mod:`~lightning_sparse.kernels.loops`), NumPy and torch operations that release
-the GIL, so layers given to different threads overlap. The optimizer step it is compared with
-uses every thread torch has (``torch.get_num_threads()``), so the update uses as many: on 2
-threads, an update of GPT-2 small's weights takes about 0.65-0.85x of its one-thread time
-(``benchmarks/mask_update.py``, 2026-11-22: ``rigl 2:4`` 344 -> 248 ms, and 388 -> 251 and
-391 -> 262-341 ms before its tile refill was sped up; ``set`` 314 -> 250, 313 -> 248 and
-320 -> 245-267 ms).
+A mask update works layer by layer, and on the CPU nearly all of a layer's work runs in torch
+operations and compiled loops that release the GIL, so layers given to different threads
+overlap. The optimizer step it is compared with uses every thread torch has
+(``torch.get_num_threads()``), so the update uses as many.
 
 Threads are used only where that is safe and useful (:func:`update_threads`): an algorithm that
 declares its per-layer code thread-safe (``layers_in_parallel``, set on the built-in ones),

@@ -60,7 +60,6 @@ from lightning_sparse.core.schedule import ResolvedPhase, phase_at
 from lightning_sparse.core.selection import ParamTarget
 from lightning_sparse.engine.layer_threads import (
     for_each_layer,
-    plain_cpu,
     update_threads,
 )
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
@@ -71,6 +70,7 @@ from lightning_sparse.masks.elementwise import (
     as_multiplier,
     free_scratch,
     multiply_by_mask_,
+    runs_compiled,
 )
 
 STATE_VERSION = 1
@@ -78,10 +78,10 @@ STATE_VERSION = 1
 
 COMPILED_GRADIENT_MASKING = 1 << 24
 """Gradient entries (all of a group's together) from which :meth:`Sparsifier.mask_gradients`
-runs compiled loops on torch's threads instead of torch's fused multiply. Below, a backward's
-gradients are still in the CPU cache, where torch's multiply is as fast (a ViT's 2.65 M on 2
-threads: 0.26 ms against 0.30); beyond, torch's multiply by ``uint8`` masks runs at a fraction of
-memory speed (GPT-2 small's 124 M: 91 ms against 21 on 1 thread, 133 against 18 on 2)."""
+runs the compiled loops on torch's threads instead of torch's fused multiply. Below, a
+backward's gradients are still in the CPU cache, where torch's multiply is as fast; beyond, it
+runs well below memory speed (it casts the ``uint8`` masks element by element) and the compiled
+loops do not (``benchmarks/mask_update.py`` measures both)."""
 
 
 @dataclass
@@ -396,11 +396,11 @@ class Sparsifier:
         return all(_all_finite(x.detach()) for x in [*weights, *grads.values()])
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Zero the gradients of pruned weights: on the CPU, from
-        :data:`COMPILED_GRADIENT_MASKING` entries on, one compiled loop per gradient
-        (:func:`~lightning_sparse.masks.elementwise.multiply_by_mask_`) on as many threads as torch
-        uses; otherwise (fewer entries, GPU, sharded) one fused ``torch._foreach_mul_`` per
-        dtype and device, by the masks' bytes (:func:`~lightning_sparse.masks.elementwise.as_multiplier`)."""
+        """Zero the gradients of pruned weights: one fused ``torch._foreach_mul_`` per dtype
+        and device, by the masks' bytes (:func:`~lightning_sparse.masks.elementwise.as_multiplier`);
+        or, from :data:`COMPILED_GRADIENT_MASKING` entries on where the compiled loops take every
+        gradient, one loop per gradient (:func:`~lightning_sparse.masks.elementwise.multiply_by_mask_`)
+        on as many threads as torch uses."""
         key = id(optimizer)
         if key not in self._grad_lists:
             in_opt = {
@@ -417,7 +417,10 @@ class Sparsifier:
             return
         grads = [grad for grad, _ in pairs]
         sizes = [grad.numel() for grad in grads]
-        if sum(sizes) < COMPILED_GRADIENT_MASKING or not plain_cpu(grads):
+        compiled = sum(sizes) >= COMPILED_GRADIENT_MASKING and all(
+            runs_compiled(grad, mask) for grad, mask in pairs
+        )
+        if not compiled:
             torch._foreach_mul_(grads, [as_multiplier(m) for _, m in pairs])
             return
         workers = update_threads(True, grads)
@@ -513,7 +516,7 @@ class Sparsifier:
 def _all_finite(x: Tensor) -> bool:
     if type(x) is not torch.Tensor or x.numel() == 0:  # sharded (DTensor) or empty
         return bool(torch.isfinite(x).all())
-    # a NaN or infinite entry makes the sum NaN or infinite (one reduction, 25% faster than
+    # a NaN or infinite entry makes the sum NaN or infinite (one reduction, cheaper than
     # aminmax); a sum that overflowed is settled by the exact check
     total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
     if bool(total.isfinite()):

@@ -1,24 +1,13 @@
-"""CPU loops of mask updates, compiled by Numba: fewer passes over each weight than NumPy ops.
+"""Loops compiled by Numba, each the twin of a torch operation in :mod:`lightning_sparse.masks`.
 
-NumPy runs one operation over a whole array at a time, so a pass that takes ``|x|``, compares it
-with two thresholds, combines the results with an eligibility mask and lists the entries in
-between runs 8 loops, each streaming its operands through the cache. :func:`threshold_pass` does
-all of that in one vectorized loop per block of :data:`BLOCK` entries (and lists the few band
-entries of a block bit by bit, from 64 flags packed into a word), about 3x faster on a large
-float32 tensor.
-:func:`multiply` masks a tensor (a gradient) in one vectorized loop, 4x faster than torch's
-``mul_`` by a ``uint8`` mask (which casts element by element); :func:`multiply_where` and
-:func:`zero_where` zero dropped weights and the optimizer state of changed entries likewise.
-:func:`refill_groups` refills N:M groups in place in one loop over the groups, and
-:func:`refill_tiles` a transposable 2:4 mask a tile row at a time. Each gives the bits its NumPy
-counterpart gives (see :mod:`~lightning_sparse.masks.top_k`,
-:func:`~lightning_sparse.masks.elementwise.apply_mask_change_` and
-:mod:`~lightning_sparse.masks.refill`).
-
-They take NumPy arrays of float32 or float64 (:func:`accepts`), with bool masks viewed as
-``uint8`` (or ``uint32`` words); the first call for a signature compiles (under a second) and
-caches the machine code next to this file, or in Numba's user cache directory when that is
-read-only.
+Each makes one pass where the torch operations make several, and writes the same bits:
+:func:`threshold_pass` (the pass of :func:`~lightning_sparse.masks.top_k.mark_top_k`),
+:func:`multiply`, :func:`multiply_where` and :func:`zero_where` (masking weights, gradients and
+optimizer state), :func:`refill_groups` and :func:`refill_tiles` (the refills of
+:mod:`~lightning_sparse.masks.refill`). They take NumPy views of float32 or float64 tensors,
+with bool masks viewed as ``uint8`` (or ``uint32`` words); :mod:`lightning_sparse.kernels` is
+their only caller. The first call for a signature compiles (under a second) and caches the
+machine code next to this file, or in Numba's user cache directory when that is read-only.
 
 Example:
     >>> import numpy as np
@@ -37,12 +26,6 @@ from numba import njit
 
 BLOCK = 2048
 """Entries per block of :func:`threshold_pass`: its band flags stay in the L1 cache."""
-
-
-def accepts(*arrays: np.ndarray) -> bool:
-    """Whether the kernels take these values: float32 or float64 NumPy arrays, one dtype."""
-    kinds = {a.dtype for a in arrays}
-    return len(kinds) == 1 and kinds <= {np.dtype(np.float32), np.dtype(np.float64)}
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -81,7 +64,7 @@ def threshold_pass(
     flip = np.uint8(not keep)  # eligible: flag ^ flip
     no_outer = np.uint8(not has_outer)
     # (selects and uint8 arithmetic, no branches, index into block slices: the inner loop
-    # vectorizes; branching on ``magnitude`` or indexing ``flags[first + j]`` runs 2x slower)
+    # vectorizes; a branch on ``magnitude`` or indexing ``flags[first + j]`` would stop that)
     for first in range(start, n, BLOCK):
         length = min(BLOCK, n - first)
         xs = x[first : first + length]
@@ -124,7 +107,7 @@ for _i in range(64):
 def _list_band(xs, magnitude, words, first, band, band_values, n_band):
     """Lists the band entries of a block (``words``: its flags, 8 bytes of 0/1 per uint64)
     after the first ``n_band`` of ``band``, 64 flags at a time as the bits of one word, set
-    bit by set bit: a loop per band entry, not per flag (listing 2x faster at a 4% band).
+    bit by set bit: a loop per band entry, not per flag.
     Returns the new ``n_band``."""
     for group in range(words.shape[0] // 8):
         bits = np.uint64(0)
@@ -165,15 +148,16 @@ def zero_where(values, changed):
         values[j] = 0 if changed[j] else values[j]
 
 
-SPLITMIX64 = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-"""SplitMix64's increment and its mixer's two multipliers (also used by the array-op path)."""
-_MIX = tuple(np.uint64(c) for c in SPLITMIX64)
+_MIX = tuple(
+    np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+"""SplitMix64's increment and its mixer's two multipliers."""
 
 
 @njit(cache=True, nogil=True)
-def uniform_bits(index, offset):
+def splitmix_bits(index, offset):
     """53 uniform random bits from an index and a seed's ``offset`` (uint64): the bits of
-    :func:`~lightning_sparse.masks.refill.uniform_bits` (SplitMix64's mixer)."""
+    :func:`~lightning_sparse.masks.refill.position_bits` (SplitMix64's mixer)."""
     x = np.uint64(index) * _MIX[0] + offset
     x = (x ^ (x >> np.uint64(30))) * _MIX[1]
     x = (x ^ (x >> np.uint64(27))) * _MIX[2]
@@ -187,11 +171,11 @@ def refill_groups(mask, changed, n, keys, magnitude, offset) -> None:
     its survivors and takes the free positions that bring it back to ``n`` (none where it
     holds ``n`` already), and ``changed`` becomes the entries whose flag changed. The taken
     positions are the highest float64 ``keys`` (``|keys|`` with ``magnitude``; shaped like
-    ``mask``), or with ``keys`` ``None`` the highest :func:`uniform_bits` of the flat
-    position, ranked as the NumPy path ranks them for ``m <= 8``: by pairwise ``>``, the lower
+    ``mask``), or with ``keys`` ``None`` the highest :func:`splitmix_bits` of the flat
+    position, ranked as :func:`~lightning_sparse.masks.refill.refill_groups_` ranks them for ``m <= 8``: by pairwise ``>``, the lower
     column first on a tie, NaN as ``-inf``, survivors above all. Groups of 2 and 8 run a
-    loop compiled for their size (about 2x faster than one reading ``m``), groups of 4 one
-    written out for them (:func:`_refill_groups_of_4`, 1.5x faster again)."""
+    loop compiled for their size (the compiler unrolls it), groups of 4 one written out for
+    them (:func:`_refill_groups_of_4`)."""
     kernel = _GROUP_KERNELS.get(mask.shape[1], _GROUP_KERNELS[0])
     kernel(mask, changed, n, keys, magnitude, offset)
 
@@ -205,7 +189,7 @@ def _group_score(keys, g, c, m, magnitude, offset, taken):
     """Entry ``c`` of group ``g`` (of ``m``) as :func:`refill_groups` ranks it: ``inf`` if
     ``taken``."""
     if keys is None:
-        v = np.float64(uniform_bits(g * m + c, offset))
+        v = np.float64(splitmix_bits(g * m + c, offset))
     else:
         v = np.float64(abs(keys[g, c]) if magnitude else keys[g, c])
         v = -np.inf if np.isnan(v) else v
@@ -300,8 +284,6 @@ _GROUP_KERNELS = {m: _group_kernel(m) for m in (0, 2, 8)}
 _GROUP_KERNELS[4] = _refill_groups_of_4
 
 
-PAIR_COLUMNS = np.array([[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]])
-"""The 6 pairs of columns of a tile row, in the order of the tables' pair indices."""
 _NIBBLE = np.uint32(0x01020408)
 """Multiplying 4 bytes of 0/1 (a uint32, little-endian) by this puts them as 4 bits at bit 24."""
 _SPREAD, _BYTES = np.uint32(0x00204081), np.uint32(0x01010101)
@@ -319,9 +301,9 @@ def refill_tiles(
     of 4 flags, ``(rows, cols // 4)``; the tile becomes its survivors plus the completion to
     regrow, and ``changed`` the entries whose flag changed (a tile with a single completion
     regrows what it dropped, so it does not change). The completion has the largest total of
-    float64 ``keys`` (``|keys|`` with ``magnitude``; 2-D like the mask) summed as the NumPy
+    float64 ``keys`` (``|keys|`` with ``magnitude``; 2-D like the mask) summed as the torch
     path sums them (the pair of each row, then the rows in order), ties and NaN to the first
-    as ``argmax`` takes them; or, with ``keys`` ``None``, one drawn by :func:`uniform_bits` of
+    as ``argmax`` takes them; or, with ``keys`` ``None``, one drawn by :func:`splitmix_bits` of
     the tile's index. ``codes``/``count``/``first``/``completions``/``pairs`` are the tables of
     :mod:`~lightning_sparse.masks.refill` (``pairs``: ``completion_pairs``; any
     integer dtypes). Returns how many tile rows (4 rows of the mask) were refilled: fewer than
@@ -331,9 +313,8 @@ def refill_tiles(
     A tile row (4 rows of the mask) at a time, in three loops: the survivor codes of its tiles
     from the flag words, and the new tiles back into words, each in vector instructions over
     the tile row's words; in between, each tile's completion is chosen (by ``keys``, only for
-    the tiles with more than one: a list, not a branch). 1.35x faster than one loop per tile
-    with ``keys``, 3x for random regrowth. The choice is written out in the loop: moved into
-    an inlined function, the kernel ran 1.5x slower."""
+    the tiles with more than one: a list, not a branch). The choice is written out in the
+    loop: Numba compiles an inlined helper for it into slower code."""
     rows, per_row = mask.shape
     sums = np.empty(24)
     survivors = np.empty(per_row, np.uint32)  # the tiles' survivor codes
@@ -365,7 +346,7 @@ def refill_tiles(
                 code = survivors[t]
                 n = np.int64(count[code])
                 fits &= n != 0
-                bits = uniform_bits(tile_row * per_row + t, offset)
+                bits = splitmix_bits(tile_row * per_row + t, offset)
                 pick = np.int64((bits * np.uint64(n)) >> np.uint64(53))
                 tiles[t] = codes[completions[np.int64(first[code]) + pick]]
             if not fits:
@@ -394,7 +375,7 @@ def refill_tiles(
                     d = np.float64(keys[top + r, left + 3])
                     if magnitude:
                         a, b, c, d = abs(a), abs(b), abs(c), abs(d)
-                    # (in the order of PAIR_COLUMNS, written out: 15% faster than indexing)
+                    # (in the order of refill.PAIR_COLUMNS, written out rather than indexed)
                     s = 6 * r
                     sums[s], sums[s + 1], sums[s + 2] = a + b, a + c, a + d
                     sums[s + 3], sums[s + 4], sums[s + 5] = b + c, b + d, c + d

@@ -1,5 +1,9 @@
 """Mask math in torch ops, on any device: targets, top-k choices, random subsets, N:M groups,
-transposable 2:4 tiles, refills after a drop, and applying a mask to weights and state."""
+transposable 2:4 tiles, refills after a drop, and applying a mask to weights and state.
+
+The modules below import each other directly; this package re-exports what the layers above
+use most.
+"""
 
 from lightning_sparse.masks.patterns import (
     NM,
@@ -10,33 +14,29 @@ from lightning_sparse.masks.patterns import (
     num_kept,
     sparsity_fraction,
 )
+from lightning_sparse.masks.random import name_seed, random_score, random_subset
 from lightning_sparse.masks.select import (
-    drop_smallest,
-    drop_smallest_,
     from_zeros_mask,
-    keep_top,
-    name_seed,
-    random_score,
-    smallest_active,
-    top_indices,
-    topk_mask,
+    prune_smallest_,
+    smallest_kept,
+    target_mask,
 )
+from lightning_sparse.masks.top_k import mark_top_k
 
 __all__ = [
     "NM",
     "Sparsity",
     "describe",
-    "drop_smallest",
-    "drop_smallest_",
     "from_zeros_mask",
     "is_nm",
-    "keep_top",
+    "mark_top_k",
     "name_seed",
     "nm_groups",
     "num_kept",
+    "prune_smallest_",
     "random_score",
-    "smallest_active",
+    "random_subset",
+    "smallest_kept",
     "sparsity_fraction",
-    "top_indices",
-    "topk_mask",
+    "target_mask",
 ]

@@ -1,110 +1,59 @@
-"""Pure mask functions: scores in, boolean keep-masks out (``True`` = weight kept).
+"""Keep-masks chosen by score: ``True`` keeps a weight.
 
-Every function works on any device and never modifies its input. Structured (N:M) masks group
-``M`` consecutive weights along the input dimension, i.e. along the last axis of the weight
-viewed as ``(out_features, -1)`` (for a convolution: input channels times kernel positions).
+:func:`target_mask` keeps the highest scores so that a target holds exactly (a fraction of
+zeros, or N of every M along the input dimension); :func:`smallest_kept` and
+:func:`prune_smallest_` find and prune the kept weights of smallest magnitude; and
+:func:`from_zeros_mask` continues from a pruned weight. Ties go to the lower flat index.
 
 Example:
     >>> import torch
-    >>> from lightning_sparse.masks import NM, topk_mask
+    >>> from lightning_sparse.masks import NM
     >>> w = torch.tensor([[0.1, -3.0, 2.0, 0.5], [4.0, 0.0, -1.0, 0.2]])
-    >>> topk_mask(w.abs(), NM(2, 4)).int().tolist()
+    >>> target_mask(w.abs(), NM(2, 4)).int().tolist()
     [[0, 1, 1, 0], [1, 0, 1, 0]]
-    >>> topk_mask(w.abs(), 0.75).int().tolist()
+    >>> target_mask(w.abs(), 0.75).int().tolist()
     [[0, 1, 0, 0], [1, 0, 0, 0]]
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from lightning_sparse.masks.elementwise import flat_nonzero, scratch_mask
+from lightning_sparse.masks.elementwise import scratch_mask
 from lightning_sparse.masks.patterns import NM, Sparsity, describe, nm_groups, num_kept
-from lightning_sparse.masks.top_k import top_k_mask
+from lightning_sparse.masks.top_k import mark_top_k
 
 
-def topk_mask(score: Tensor, target: Sparsity) -> Tensor:
-    """Keep the highest-``score`` entries so that ``target`` holds exactly.
+def target_mask(score: Tensor, target: Sparsity) -> Tensor:
+    """A new mask that keeps the highest-``score`` entries so that ``target`` holds exactly.
 
-    Unstructured: exactly ``num_kept(numel, sparsity)`` entries survive. N:M: exactly ``n`` of
-    every group of ``m`` along the input dimension. Ties are broken by position (deterministic).
+    Unstructured: exactly ``num_kept(numel, sparsity)`` entries survive, ties to the lower flat
+    index. N:M: exactly ``n`` of every group of ``m`` along the input dimension.
     """
     if isinstance(target, NM):
         groups = nm_groups(score, target.m)
         keep = groups.topk(target.n, dim=-1, sorted=False).indices
         mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
         return mask.reshape(score.shape)
-    return keep_top(score, num_kept(score.numel(), float(target)))
+    return mark_top_k(score, num_kept(score.numel(), float(target)))
 
 
-def keep_top(score: Tensor, k: int) -> Tensor:
-    """Keep exactly the ``k`` highest-``score`` entries of ``score`` (any shape); among equal
-    scores, the lower flat index is kept (see :func:`~lightning_sparse.masks.top_k.top_k_mask`: one
-    pass over the scores, however large).
-
-    >>> keep_top(torch.tensor([[0.5, 2.0], [1.0, -1.0]]), 2).tolist()
-    [[False, True], [True, False]]
-    """
-    if not 0 <= k <= score.numel():
-        raise ValueError(f"cannot keep {k} of {score.numel()} entries")
-    return top_k_mask(score, k)
-
-
-def top_indices(
-    score: Tensor, k: int, largest: bool = True, exclude: Tensor | None = None
-) -> Tensor:
-    """Ascending flat indices of the ``k`` highest (``largest=False``: lowest) entries of
-    ``score``, leaving out the entries where ``exclude`` (a bool tensor shaped like ``score``)
-    is set; ties go to the lower index.
-
-    >>> score = torch.tensor([[0.5, 2.0], [1.0, -1.0]])
-    >>> top_indices(score, 1, largest=False).tolist()
-    [3]
-    >>> top_indices(score, 1, exclude=torch.tensor([[False, True], [False, False]])).tolist()
-    [2]
-    """
-    return flat_nonzero(top_k_mask(score, k, largest=largest, excluding=exclude))
-
-
-def drop_smallest(weight: Tensor, mask: Tensor, n_drop: int) -> Tensor:
-    """A copy of ``mask`` without its ``n_drop`` kept entries of smallest ``|weight|`` (ties: the
-    lower flat index is dropped first).
-
-    >>> drop_smallest(torch.tensor([3.0, -0.5, 2.0, 9.0]), torch.tensor([True, True, True, False]), 2).tolist()
-    [True, False, False, False]
-    """
-    survivors = mask.clone()
-    drop_smallest_(weight, survivors, n_drop)
-    return survivors
-
-
-def drop_smallest_(
-    weight: Tensor, mask: Tensor, n_drop: int, n_active: int | None = None
-) -> Tensor:
-    """:func:`drop_smallest` in place: clears those entries in ``mask`` (``n_active``: how
-    many it has set, if known) and returns them (see :func:`smallest_active`)."""
-    dropped = smallest_active(weight, mask, n_drop, n_active)
-    mask ^= dropped
-    return dropped
-
-
-def smallest_active(
+def smallest_kept(
     weight: Tensor, mask: Tensor, n: int, n_active: int | None = None
 ) -> Tensor:
     """The ``n`` entries set in ``mask`` with the smallest ``|weight|`` (ties: the lower flat
     index first; ``n_active``: how many ``mask`` has set, if known), as a bool tensor shaped
-    like ``mask`` that is a reused buffer (:func:`~lightning_sparse.masks.elementwise.scratch_mask`
+    like ``mask``. It is a reused buffer (:func:`~lightning_sparse.masks.elementwise.scratch_mask`
     slot 0), valid until the next call on this thread.
 
-    >>> smallest_active(torch.tensor([3.0, -0.5, 2.0, 0.1]), torch.tensor([True, True, True, False]), 1).tolist()
+    >>> smallest_kept(torch.tensor([3.0, -0.5, 2.0, 0.1]), torch.tensor([True, True, True, False]), 1).tolist()
     [False, True, False, False]
     """
-    return top_k_mask(
+    return mark_top_k(
         weight,
         n,
         largest=False,
@@ -115,26 +64,27 @@ def smallest_active(
     ).view(mask.shape)
 
 
-def name_seed(seed: int, name: str, step: int = 0) -> int:
-    """A seed that depends only on (seed, parameter name, step): the same on every rank and
-    for every parameter order, and reproducible across resumes."""
-    return zlib.crc32(f"{seed}|{name}|{step}".encode()) ^ (seed & 0xFFFFFFFF)
+def prune_smallest_(
+    weight: Tensor, mask: Tensor, n: int, n_active: int | None = None
+) -> Tensor:
+    """Clear, in ``mask``, its ``n`` kept entries of smallest ``|weight|`` and return them (the
+    buffer :func:`smallest_kept` returns).
 
-
-def random_score(like: Tensor, seed: int) -> Tensor:
-    """Uniform random scores shaped like ``like``, from a private generator seeded by ``seed``.
-
-    Drawn on the CPU and moved, so the same seed gives the same scores on every device.
+    >>> mask = torch.tensor([True, True, True, False])
+    >>> pruned = prune_smallest_(torch.tensor([3.0, -0.5, 2.0, 9.0]), mask, 2)
+    >>> mask.tolist(), pruned.tolist()
+    ([True, False, False, False], [False, True, True, False])
     """
-    gen = torch.Generator().manual_seed(seed)
-    return torch.rand(like.shape, generator=gen).to(like.device)
+    pruned = smallest_kept(weight, mask, n, n_active)
+    mask ^= pruned
+    return pruned
 
 
 def from_zeros_mask(
     weight: Tensor,
     target: Sparsity,
     name: str = "weight",
-    select: Callable[[Tensor, Sparsity], Tensor] = topk_mask,
+    select: Callable[[Tensor, Sparsity], Tensor] = target_mask,
 ) -> Tensor:
     """A keep-mask that prunes every zero of ``weight``, then the smallest non-zero magnitudes
     until ``target`` holds exactly (``init='from_zeros'``: fine-tuning a pruned model keeps it

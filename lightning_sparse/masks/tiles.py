@@ -8,7 +8,7 @@ weights at every step.
 
 - :func:`transposable_2to4_mask`: greedy by ``|w|``, bit for bit the choice of torch's
   Python reference ``_sparse_semi_structured_tile(dense.abs())`` (the
-  ``largest_abs_values_greedy`` behaviour), ties included; over 1000x faster.
+  ``largest_abs_values_greedy`` behaviour), ties included, in vectorized torch ops.
 - :func:`optimal_transposable_2to4_mask`: per tile, the pattern with the largest kept
   ``sum |w|`` among the 90 that keep exactly 2 per row and column (or among all 186
   maximal transposable patterns).
@@ -220,9 +220,8 @@ def transposable_2to4_mask(weight: Tensor) -> Tensor:
     The choice is exactly that of torch's Python reference
     ``torch.sparse._semi_structured_conversions._sparse_semi_structured_tile(w.abs())``
     (``largest_abs_values_greedy``), ties, zeros and NaNs (ranked largest) included, but
-    over 1000x faster: per tile, keys ``|w| bits << 4 | 15 - position`` sorted by a
-    sorting network, then the greedy as a table-driven automaton, vectorized over tiles
-    (~170 M weights/s on one CPU core). torch's CUDA kernel
+    vectorized over tiles: per tile, keys ``|w| bits << 4 | 15 - position`` sorted by a
+    sorting network, then the greedy as a table-driven automaton. torch's CUDA kernel
     ``torch._sparse_semi_structured_tile`` may break ties differently, and its signed
     default keeps far less of the weight energy (~0.56 vs ~0.82 on Gaussian weights).
 
@@ -305,7 +304,7 @@ def transposable_2to4_mask(weight: Tensor) -> Tensor:
 
 
 @functools.cache
-def _patterns_cpu(exactly_two: bool) -> Tensor:
+def tile_patterns(exactly_two: bool) -> Tensor:
     """Candidate tile patterns as ``(K, 16)`` bool, position ``p = 4 * row + col``.
 
     The maximal transposable patterns: at most 2 per tile row and column, and no entry can
@@ -333,7 +332,7 @@ def _patterns_cpu(exactly_two: bool) -> Tensor:
 def _patterns(
     exactly_two: bool, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    patterns = _patterns_cpu(exactly_two)
+    patterns = tile_patterns(exactly_two)
     return patterns.to(device), patterns.t().to(device, dtype).contiguous()
 
 

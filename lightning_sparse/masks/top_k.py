@@ -1,6 +1,6 @@
 """Exact top-k masks of large tensors in one pass, ties broken by position.
 
-:func:`top_k_mask` marks the ``k`` entries with the largest (or smallest) values, or magnitudes,
+:func:`mark_top_k` marks the ``k`` entries with the largest (or smallest) values, or magnitudes,
 among the eligible ones. Ties go to the lower flat index, so the mask depends on the values
 alone: the same on every device, rank and run.
 
@@ -14,48 +14,39 @@ stable sort of the eligible values decides instead.
 Example:
     >>> import torch
     >>> x = torch.tensor([0.5, -3.0, 2.0, 2.0, 0.0])
-    >>> top_k_mask(x, 2).tolist()
+    >>> mark_top_k(x, 2).tolist()
     [False, False, True, True, False]
-    >>> top_k_mask(x, 1, magnitude=True).tolist()
+    >>> mark_top_k(x, 1, magnitude=True).tolist()
     [False, True, False, False, False]
-    >>> top_k_mask(x, 1, largest=False, magnitude=True, excluding=x == 0).tolist()
+    >>> mark_top_k(x, 1, largest=False, magnitude=True, excluding=x == 0).tolist()
     [True, False, False, False, False]
 """
 
 from __future__ import annotations
 
 import math
-import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from types import ModuleType
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse.kernels import loops as cpu_kernels
-from lightning_sparse.masks.elementwise import (
-    abs_into,
-    backend,
-    chunks,
-    count_true,
-    fill,
-    flat_nonzero,
-    nonzero_of,
-    pick_output,
-    scratch,
-)
+from lightning_sparse import kernels
+from lightning_sparse.masks.elementwise import count_true, flat_nonzero, pick_output
 
 SAMPLED = (1 << 14, 1 << 18)
 """How many entries (eligible or not) the strided sample that places the thresholds visits:
 1/256 of the tensor, within these bounds (strided reads cost a cache miss each)."""
 LARGE = 1 << 16
 """Tensors with at most this many entries are ranked by a sort."""
+CHUNK = 1 << 18
+"""Entries per chunk of the threshold pass on the CPU: 1 MiB of float32, which stays in the L2
+cache with the chunk's bool temporaries."""
 
 
 @dataclass(frozen=True)
 class _Choice:
-    """What to choose: ``k`` of the eligible entries of ``flat`` (see :func:`top_k_mask`)."""
+    """What to choose: ``k`` of the eligible entries of ``flat`` (see :func:`mark_top_k`)."""
 
     flat: Tensor
     k: int
@@ -67,7 +58,7 @@ class _Choice:
 
 
 @torch.no_grad()
-def top_k_mask(
+def mark_top_k(
     values: Tensor,
     k: int,
     *,
@@ -91,7 +82,7 @@ def top_k_mask(
         ValueError: ``k`` is negative or more than the eligible entries.
     """
     if among is not None and excluding is not None:
-        raise ValueError("give top_k_mask either among or excluding, not both")
+        raise ValueError("give mark_top_k either among or excluding, not both")
     flat = values.detach().reshape(-1)
     n = flat.numel()
     restriction = among if among is not None else excluding
@@ -132,34 +123,27 @@ def _sorted(c: _Choice, chosen: Tensor) -> None:
     chosen[index[order]] = True
 
 
-def _thresholds(
-    c: _Choice,
-    xp: ModuleType,
-    x,
-    flags,
-) -> tuple[float | None, float | None] | None:
+def _thresholds(c: _Choice) -> tuple[float | None, float | None] | None:
     """``(inner, outer)`` from a strided sample of the eligible values: about ``k`` entries lie
     beyond each, fewer beyond ``inner`` and more beyond ``outer``, by a margin of 4 standard
     deviations of the sample's count. ``None`` stands for a threshold beyond every value."""
     n = c.flat.numel()
     stride = max(1, n // min(max(n // 256, SAMPLED[0]), SAMPLED[1]))
-    sample = (
-        x[::stride].copy() if xp is np else x[::stride]
-    )  # gathered once, then filtered
-    if flags is not None:
-        sampled = flags[::stride].copy() if xp is np else flags[::stride]
+    sample = c.flat[::stride]
+    if c.flags is not None:
+        sampled = c.flags[::stride]
         sample = sample[sampled if c.keep_set else ~sampled]
     m = sample.shape[0]
     if m == 0:
         return None
     if c.magnitude:
-        sample = abs(sample)
+        sample = sample.abs()
     fraction = c.k / c.n_eligible
     margin = 4.0 * math.sqrt(m * fraction * (1.0 - fraction)) + 16
     ranks = [math.floor(fraction * m - margin), math.floor(fraction * m + margin)]
     # rank r counted from the chosen end is position r (smallest) or m - 1 - r (largest)
     positions = [r if not c.largest else m - 1 - r for r in ranks]
-    ordered = np.sort(sample) if xp is np else torch.sort(sample).values
+    ordered = torch.sort(sample).values
     inner, outer = (float(ordered[p]) if 0 <= p < m else None for p in positions)
     return inner, outer
 
@@ -167,101 +151,72 @@ def _thresholds(
 def _bracketed(c: _Choice, chosen: Tensor) -> bool:
     """The choice through the sampled thresholds, into ``chosen``; ``False`` if they do not
     bracket the ``k``-th value (the caller then sorts)."""
-    tensors = [c.flat, chosen] if c.flags is None else [c.flat, chosen, c.flags]
-    xp, arrays = backend(*tensors)
-    x, sure = arrays[0], arrays[1]
-    eligible = arrays[2] if c.flags is not None else None
-    thresholds = _thresholds(c, xp, x, eligible)
+    thresholds = _thresholds(c)
     if thresholds is None:
         return False
     inner, outer = thresholds
-    # (the compiled pass reads 8 flags as a little-endian word)
-    if xp is np and sys.byteorder == "little" and cpu_kernels.accepts(x):
-        n_sure, index, values = _kernel_pass(c, x, sure, eligible, inner, outer)
+    if kernels.accepts(*(t for t in (c.flat, chosen, c.flags) if t is not None)):
+        if inner is None:  # nothing is beyond an infinite threshold (NaN never is)
+            inner = math.inf if c.largest else -math.inf
+        args = (c.magnitude, c.largest, inner, outer, chosen, c.n_eligible // 16)
+        n_sure, index, values = kernels.threshold_pass(
+            c.flat, c.flags, c.keep_set, *args
+        )
     else:
-        n_sure, index, values = _chunked_pass(c, xp, x, sure, eligible, inner, outer)
+        n_sure, index, values = _threshold_pass(c, chosen, inner, outer)
     missing = c.k - n_sure
     if not 0 <= missing <= len(index):
         return False
     if missing == 0 or inner is not None and inner == outer:
-        sure[index[:missing]] = True  # (a band of equal values: the first ones)
+        chosen[index[:missing]] = True  # (a band of equal values: the first ones)
         return True
-    strict, ties = _first_k(xp, values, missing, c.largest)
-    sure[index] = strict  # band entries beyond the k-th value; the others stay unset
-    sure[index[ties]] = True
+    strict, ties = _first_k(values, missing, c.largest)
+    chosen[index] = strict  # band entries beyond the k-th value; the others stay unset
+    chosen[index[ties]] = True
     return True
 
 
-def _chunked_pass(c: _Choice, xp: ModuleType, x, sure, eligible, inner, outer):
-    """Marks the entries beyond ``inner`` in ``sure`` and lists the band (at or beyond
-    ``outer``, not beyond ``inner``), chunk by chunk with NumPy or torch ops: ``(count of
-    sure, band indices, band values)``."""
-    beyond, beyond_or_at = (
-        (xp.greater, xp.greater_equal) if c.largest else (xp.less, xp.less_equal)
-    )
-    size = next(iter(chunks(c.flat.numel(), c.flat.device))).stop
-    magnitudes = scratch(xp, x, size) if c.magnitude else None
-    band = scratch(xp, x, size, boolean=True)
+def _chunks(n: int, device: torch.device) -> Iterator[slice]:
+    """Slices covering ``range(n)``: cache-sized on the CPU, one slice elsewhere."""
+    step = CHUNK if device.type == "cpu" else max(n, 1)
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+def _threshold_pass(
+    c: _Choice, sure: Tensor, inner: float | None, outer: float | None
+) -> tuple[int, Tensor, Tensor]:
+    """Marks the eligible entries beyond ``inner`` in ``sure`` and lists the eligible band (at
+    or beyond ``outer``, not beyond ``inner``), chunk by chunk: ``(count of sure, band
+    indices, band values)``."""
+    beyond, beyond_or_at = (torch.gt, torch.ge) if c.largest else (torch.lt, torch.le)
     band_index, band_value, n_sure = [], [], 0
-    for part in chunks(c.flat.numel(), c.flat.device):
-        length = part.stop - part.start
-        a = x[part]
-        if magnitudes is not None:
-            a = abs_into(xp, a, magnitudes[:length])
-        s, b = sure[part], band[:length]
+    for part in _chunks(c.flat.numel(), c.flat.device):
+        a = c.flat[part].abs() if c.magnitude else c.flat[part]
+        s = sure[part]
         if inner is None:
-            fill(xp, s, False)
+            s.fill_(False)
         else:
             beyond(a, inner, out=s)
-        if outer is None:
-            fill(xp, b, True)
-        else:
-            beyond_or_at(a, outer, out=b)
-        xp.bitwise_xor(b, s, out=b)  # the band: at or beyond outer, not beyond inner
-        if eligible is not None:
-            # (a & ~e) is (a > e) on bools
-            combine = xp.logical_and if c.keep_set else xp.greater
-            combine(s, eligible[part], out=s)
-            combine(b, eligible[part], out=b)
-        n_sure += int(xp.count_nonzero(s))
-        index = nonzero_of(xp, b)
+        b = torch.ones_like(s) if outer is None else beyond_or_at(a, outer)
+        b ^= s  # the band: at or beyond outer, not beyond inner
+        if c.flags is not None:
+            eligible = c.flags[part] if c.keep_set else ~c.flags[part]
+            s &= eligible
+            b &= eligible
+        n_sure += count_true(s)
+        index = flat_nonzero(b)
         band_index.append(index + part.start)
         band_value.append(a[index])
-    return n_sure, xp.concatenate(band_index), xp.concatenate(band_value)
+    return n_sure, torch.cat(band_index), torch.cat(band_value)
 
 
-def _kernel_pass(c: _Choice, x: np.ndarray, sure: np.ndarray, eligible, inner, outer):
-    """:func:`_chunked_pass` in one compiled loop (see
-    :func:`~lightning_sparse.kernels.loops.threshold_pass`) over float32/float64 NumPy arrays."""
-    if inner is None:  # nothing is beyond an infinite threshold (NaN never is)
-        inner = math.inf if c.largest else -math.inf
-    as_x = x.dtype.type  # the thresholds are values of x: exact in its dtype
-    flags = None if eligible is None else eligible.view(np.uint8)
-    args = (x, flags, int(c.keep_set), c.magnitude, c.largest, as_x(inner))
-    has_outer = outer is not None
-    rest = (as_x(outer if has_outer else 0.0), has_outer, sure.view(np.uint8))
-    band = np.empty(c.n_eligible // 16 + cpu_kernels.BLOCK, dtype=np.int64)
-    values = np.empty(band.shape, dtype=x.dtype)
-    n_sure, n_band, stop = cpu_kernels.threshold_pass(*args, *rest, band, values, 0, 0)
-    while stop < x.shape[0]:  # the band outgrew the buffer: go on with a longer one
-        band = np.concatenate([band[:n_band], np.empty_like(band)])
-        values = np.concatenate([values[:n_band], np.empty_like(values)])
-        found, n_band, stop = cpu_kernels.threshold_pass(
-            *args, *rest, band, values, n_band, stop
-        )
-        n_sure += found
-    return n_sure, band[:n_band], values[:n_band]
-
-
-def _first_k(xp: ModuleType, values, k: int, largest: bool):
+def _first_k(values: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
     """Which ``k`` of ``values`` come first, the largest (or smallest), ties to the earlier
-    entries: ``(strict, ties)``, a bool array of those beyond the ``k``-th value and the
-    positions of the equal ones that complete the ``k`` (NumPy arrays or tensors)."""
+    entries: ``(strict, ties)``, a bool tensor of those beyond the ``k``-th value and the
+    positions of the equal ones that complete the ``k``."""
     position = len(values) - k if largest else k - 1  # of the k-th, in ascending order
-    if xp is np:
-        kth = np.partition(values, position)[position]
-    else:
-        kth = values.kthvalue(position + 1).values
+    kth = values.kthvalue(position + 1).values
     strict = values > kth if largest else values < kth
-    ties = nonzero_of(xp, values == kth)[: k - int(strict.sum())]
+    ties = flat_nonzero(values == kth)[: k - count_true(strict)]
     return strict, ties

@@ -1,4 +1,7 @@
-"""Uniformly random subsets of exact size, drawn in time proportional to their size.
+"""Randomness that is the same on every device, rank and resume: seeds, scores, subsets.
+
+:func:`name_seed` derives a seed from ``(seed, parameter name, step)``; :func:`random_score`
+draws scores from it on the CPU and moves them, so every device sees the same scores.
 
 :func:`random_subset` marks ``k`` entries chosen uniformly at random among those a bool tensor
 leaves eligible. It costs about ``k`` random integers rather than one random score per entry
@@ -17,14 +20,29 @@ Example:
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sparse.masks.elementwise import count_true, numpy_view, pick_output
-from lightning_sparse.masks.top_k import top_k_mask
+from lightning_sparse.masks.elementwise import count_true, pick_output
+from lightning_sparse.masks.top_k import mark_top_k
+
+
+def name_seed(seed: int, name: str, step: int = 0) -> int:
+    """A seed that depends only on (seed, parameter name, step): the same on every rank and
+    for every parameter order, and reproducible across resumes."""
+    return zlib.crc32(f"{seed}|{name}|{step}".encode()) ^ (seed & 0xFFFFFFFF)
+
+
+def random_score(like: Tensor, seed: int) -> Tensor:
+    """Uniform random scores shaped like ``like``, from a private generator seeded by ``seed``.
+
+    Drawn on the CPU and moved, so the same seed gives the same scores on every device.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(like.shape, generator=gen).to(like.device)
 
 
 @torch.no_grad()
@@ -52,7 +70,7 @@ def random_subset(
     if 16 * min(k, eligible - k) > n:
         # a large share of the tensor: one random score per entry costs less
         scores = torch.rand(n, generator=torch.Generator().manual_seed(seed))
-        top_k_mask(scores.to(flat.device), k, excluding=flat, out=chosen)
+        mark_top_k(scores.to(flat.device), k, excluding=flat, out=chosen)
     elif 2 * k > eligible:
         random_subset(eligible - k, excluding, seed, out=chosen)  # the ones left out
         torch.logical_or(chosen, flat, out=chosen)
@@ -62,22 +80,17 @@ def random_subset(
         if k:
             gen = torch.Generator().manual_seed(seed)
             found = _distinct_draws(gen, n, k, eligible, _acceptor(flat))
-            surplus = _distinct_draws(gen, found.size, found.size - k)
-            keep = np.ones(found.size, dtype=bool)
+            surplus = _distinct_draws(gen, len(found), len(found) - k)
+            keep = torch.ones(len(found), dtype=torch.bool)
             keep[surplus] = False
-            chosen.index_fill_(0, torch.from_numpy(found[keep]).to(flat.device), True)
+            chosen.index_fill_(0, found[keep].to(flat.device), True)
     return chosen.view(excluding.shape)
 
 
-def _acceptor(excluding: Tensor) -> Callable[[np.ndarray], np.ndarray]:
-    """positions (ascending) -> whether ``excluding`` (flat) leaves each of them eligible."""
-    view = numpy_view(excluding)
-    if view is not None:
-        return lambda positions: ~view[positions]
+def _acceptor(excluding: Tensor) -> Callable[[Tensor], Tensor]:
+    """positions (ascending, on the CPU) -> whether ``excluding`` (flat) leaves each eligible."""
     return lambda positions: (
-        (~excluding.index_select(0, torch.from_numpy(positions).to(excluding.device)))
-        .cpu()
-        .numpy()
+        ~excluding.index_select(0, positions.to(excluding.device)).cpu()
     )
 
 
@@ -86,29 +99,25 @@ def _distinct_draws(
     n: int,
     k: int,
     acceptable: int | None = None,
-    accept: Callable[[np.ndarray], np.ndarray] | None = None,
-) -> np.ndarray:
-    """Ascending distinct positions in ``range(n)``, at least ``k`` of them (exactly ``k``
-    without ``accept``), drawn iid uniformly and kept where ``accept`` (positions -> bool)
-    says so, ``acceptable`` positions being acceptable. Given its size, the set is uniformly
-    random among the acceptable positions."""
-    found = np.empty(0, dtype=np.int64)
-    while found.size < k:
-        missing = k - found.size
+    accept: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """Ascending distinct positions in ``range(n)`` (int64, on the CPU), at least ``k`` of them
+    (exactly ``k`` without ``accept``), drawn iid uniformly and kept where ``accept``
+    (positions -> bool) says so, ``acceptable`` positions being acceptable. Given its size,
+    the set is uniformly random among the acceptable positions."""
+    found = torch.empty(0, dtype=torch.int64)
+    while len(found) < k:
+        missing = k - len(found)
         if accept is None:
             # no rejection: draw exactly what is missing, so the count never exceeds k
             draws = missing
         else:
             # enough iid draws that the distinct acceptable ones exceed k with high probability
             wanted = missing + 4 * math.sqrt(missing) + 64
-            fraction = min(wanted / max(1, acceptable - found.size), 0.999)
+            fraction = min(wanted / max(1, acceptable - len(found)), 0.999)
             draws = math.ceil(-n * math.log1p(-fraction)) + 64
-        fresh = torch.randint(n, (draws,), generator=gen).numpy()
-        merged = np.sort(np.concatenate([found, fresh]))
-        distinct = np.empty(merged.size, dtype=bool)
-        distinct[:1] = True
-        np.not_equal(merged[1:], merged[:-1], out=distinct[1:])
-        found = merged[distinct]
+        fresh = torch.randint(n, (draws,), generator=gen)
+        found = torch.unique(torch.cat([found, fresh]), sorted=True)
         if accept is not None:
             found = found[accept(found)]
     return found
