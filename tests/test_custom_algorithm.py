@@ -16,7 +16,7 @@ from lightning_sparse import (
 from lightning_sparse.masks import num_kept
 
 
-# The README's example, verbatim.
+# The example of docs/algorithms.md, verbatim.
 @register_algorithm("weight_x_grad")
 class WeightTimesGradient(SparsityAlgorithm):
     """Keep the weights with the largest |weight x gradient|, re-chosen at every update."""

@@ -366,4 +366,5 @@ def algorithm_class(name: str, where: str = "algorithm") -> type[SparsityAlgorit
 
 
 def registered_algorithms() -> list[str]:
+    """The names a phase's ``algorithm`` may take (built-in and registered), sorted."""
     return sorted(_REGISTRY)

@@ -257,6 +257,6 @@ def format_plan(plan: SchedulePlan) -> str:
         f"trainable nn.Linear matmul FLOPs (phases weighted by length). Only a kernel that "
         f"skips the zeros saves them: the masked backend runs dense math, 2:4 sparse tensor "
         f"cores at most 2x the dense rate (measured 1.1-1.4x). Counting rules: "
-        f"lightning_sparse/flops.py."
+        f"lightning_sparse/cli/flops.py."
     )
     return "\n".join(lines)
