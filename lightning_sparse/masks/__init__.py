@@ -5,6 +5,12 @@ The modules below import each other directly; this package re-exports what the l
 use most.
 """
 
+from lightning_sparse.masks.choose import (
+    from_zeros_mask,
+    prune_smallest_,
+    smallest_kept,
+    target_mask,
+)
 from lightning_sparse.masks.patterns import (
     NM,
     Sparsity,
@@ -15,12 +21,6 @@ from lightning_sparse.masks.patterns import (
     sparsity_fraction,
 )
 from lightning_sparse.masks.random import name_seed, random_score, random_subset
-from lightning_sparse.masks.select import (
-    from_zeros_mask,
-    prune_smallest_,
-    smallest_kept,
-    target_mask,
-)
 from lightning_sparse.masks.top_k import mark_top_k
 
 __all__ = [
