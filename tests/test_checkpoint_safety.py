@@ -172,6 +172,17 @@ _FUZZ = settings(
 )
 
 
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return torch.load(checkpoint, weights_only=True)
+
+
+def fresh(ckpt):
+    """A copy of the checkpoint whose callback states (not tensors) can be changed."""
+    callbacks = {k: dict(v) for k, v in ckpt["callbacks"].items()}
+    return {**ckpt, "callbacks": callbacks}
+
+
 @st.composite
 def bad_masks(draw, masks, shapes):
     """(masks, the parameter named in the error): one mask missing, mis-shaped, not bool, not a
@@ -203,8 +214,8 @@ def bad_masks(draw, masks, shapes):
 
 @_FUZZ
 @given(data=st.data())
-def test_fuzzed_sparsity_state_through_export_names_the_mask(checkpoint, data):
-    ckpt = torch.load(checkpoint, weights_only=True)
+def test_fuzzed_sparsity_state_through_export_names_the_mask(loaded, data):
+    ckpt = fresh(loaded)
     state = ckpt["callbacks"][KEY]
     shapes = {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()}
     kind, name, key, masks = data.draw(bad_masks(state["masks"], shapes))
@@ -221,8 +232,8 @@ def test_fuzzed_sparsity_state_through_export_names_the_mask(checkpoint, data):
 
 @_FUZZ
 @given(data=st.data())
-def test_fuzzed_callback_state_through_export_is_a_value_error(checkpoint, data):
-    ckpt = torch.load(checkpoint, weights_only=True)
+def test_fuzzed_callback_state_through_export_is_a_value_error(loaded, data):
+    ckpt = fresh(loaded)
     state = ckpt["callbacks"][KEY]
     field = data.draw(
         st.sampled_from(["state", "masks", "version", "callbacks", "twice"])
