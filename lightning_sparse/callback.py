@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -315,6 +315,13 @@ class SparsityCallback(Callback):
         return self.sparsifier.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # the rest is checked when the masks are restored, once the targets are known
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(  # noqa: TRY004 (a file's content, not an argument's type)
+                f"[{self.name}] the checkpoint's sparsity state is a "
+                f"{type(state_dict).__name__}, not a dict; the checkpoint is damaged or was not "
+                f"written by SparsityCallback"
+            )
         self._pending_state = dict(state_dict)
         self._active = False
 

@@ -175,7 +175,7 @@ def test_missing_or_misshaped_mask_is_named(tmp_path):
     del masks["net.fc2.weight_mask"]
     torch.save(ckpt, tmp_path / "missing.ckpt")
     with pytest.raises(
-        KeyError,
+        ValueError,
         match=r"the checkpoint has no mask for parameter 'net.fc2.weight' \(net.fc2.weight_mask\)",
     ):
         run(tmp_path, ckpt_path=tmp_path / "missing.ckpt")

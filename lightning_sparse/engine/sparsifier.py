@@ -26,7 +26,7 @@ Example (plain PyTorch):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -474,43 +474,112 @@ class Sparsifier:
     def load_state_dict(
         self, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
     ) -> None:
-        """Restore a saved state exactly; errors name a missing or mis-shaped mask. Saved masks
-        are whole tensors, so a checkpoint resumes on any number of ranks, sharded or not."""
-        self._leave()
-        self.last_update_step = int(state.get("last_update_step", -1))
-        self.history = [tuple(h) for h in state.get("history", [])]
-        index = state.get("phase")
+        """Restore a saved state exactly. Saved masks are whole tensors, so a checkpoint resumes
+        on any number of ranks, sharded or not. A malformed state (a phase this schedule lacks,
+        a mask missing, extra, mis-shaped or not bool) raises a ``ValueError`` naming the
+        parameter before anything changes."""
+        index, step, history, saved = _checked_state(self.name, state)
         if index is not None and index >= len(self.phases):
             raise ValueError(
                 f"[{self.name}] the checkpoint was saved in phase {index + 1}, but this schedule "
                 f"has {len(self.phases)} phase(s): resume with the schedule it was trained with"
             )
-        saved = state.get("masks", {})
-        if index is None or index not in self.algorithms:
-            if saved:
-                raise ValueError(
-                    f"[{self.name}] the checkpoint holds masks, but phase {index} of this schedule "
-                    f"is dense: resume with the schedule the checkpoint was trained with"
-                )
-            self.current = None if index is None else self.phases[index]
-            return
+        sparse = index is not None and index in self.algorithms
+        if saved and not sparse:
+            raise ValueError(
+                f"[{self.name}] the checkpoint holds masks, but phase {index} of this schedule "
+                f"is dense: resume with the schedule the checkpoint was trained with"
+            )
         masks = {}
-        for t in self.targets:
+        names = {f"{t.name}_mask" for t in self.targets}
+        extra = sorted(map(str, set(saved) - names)) if sparse else []
+        if extra:
+            raise ValueError(
+                f"[{self.name}] the checkpoint has masks for parameters this group does not "
+                f"select: {extra[:5]}: resume with the same params/exclude"
+            )
+        for t in self.targets if sparse else ():
             key = f"{t.name}_mask"
             if key not in saved:
-                raise KeyError(
+                raise ValueError(
                     f"[{self.name}] the checkpoint has no mask for parameter {t.name!r} ({key}); "
-                    f"it has masks for {sorted(saved)[:5]}...: resume with the same params/exclude"
+                    f"it has masks for {sorted(map(str, saved))[:5]}...: resume with the same "
+                    f"params/exclude"
                 )
             mask = saved[key]
+            if not (
+                isinstance(mask, Tensor)
+                and mask.dtype == torch.bool
+                and mask.layout == torch.strided
+            ):
+                what = (
+                    f"a {mask.dtype} {mask.layout} tensor"
+                    if isinstance(mask, Tensor)
+                    else f"a {type(mask).__name__}"
+                )
+                raise ValueError(
+                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} is {what}, "
+                    f"not a dense bool tensor; the checkpoint is damaged or was not written by "
+                    f"SparsityCallback"
+                )
             if tuple(mask.shape) != tuple(t.param.shape):
                 raise ValueError(
                     f"[{self.name}] the checkpoint's mask for parameter {t.name!r} has shape "
                     f"{tuple(mask.shape)}, but the parameter has shape {tuple(t.param.shape)}"
                 )
-            masks[t.name] = mask.to(device=t.param.device, dtype=torch.bool)
-        self.current = self.phases[index]
-        self._apply(masks, optimizers, zero_state=False)
+            masks[t.name] = mask.to(device=t.param.device)
+        self._leave()
+        self.last_update_step = step
+        self.history = history
+        self.current = None if index is None else self.phases[index]
+        if sparse:
+            self._apply(masks, optimizers, zero_state=False)
+
+
+def _checked_state(
+    name: str, state: Any
+) -> tuple[int | None, int, list[tuple[int, int | None]], Mapping[str, Any]]:
+    """(phase, last update step, history, masks) of a saved state, checked for type and range."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(
+            f"[{name}] the checkpoint's sparsity state {what}; the checkpoint is damaged or was "
+            f"not written by SparsityCallback"
+        )
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not isinstance(state, Mapping):
+        raise bad(f"is a {type(state).__name__}, not a dict")
+    version = state.get("version", STATE_VERSION)
+    if not (is_int(version) and 1 <= version <= STATE_VERSION):
+        if is_int(version) and version > STATE_VERSION:
+            raise ValueError(
+                f"[{name}] the checkpoint's sparsity state has version {version}, but this "
+                f"lightning_sparse reads versions 1 to {STATE_VERSION}: upgrade lightning_sparse"
+            )
+        raise bad(f"has version {version!r}, not 1 to {STATE_VERSION}")
+    index = state.get("phase")
+    if index is not None and not (is_int(index) and index >= 0):
+        raise bad(f"has phase {index!r}, not a phase index (0, 1, ...) or None")
+    step = state.get("last_update_step", -1)
+    if not (is_int(step) and step >= -1):
+        raise bad(f"has last_update_step {step!r}, not a step (-1 for none)")
+    history = state.get("history", [])
+    pairs = isinstance(history, (list, tuple)) and all(
+        isinstance(h, (list, tuple))
+        and len(h) == 2
+        and is_int(h[0])
+        and (h[1] is None or is_int(h[1]))
+        for h in history
+    )
+    if not pairs:
+        raise bad(f"has history {str(history)[:80]}, not a list of (step, phase) pairs")
+    masks = state.get("masks", {})
+    if not isinstance(masks, Mapping):
+        raise bad(f"has masks of type {type(masks).__name__}, not a dict")
+    return index, step, [tuple(h) for h in history], masks
 
 
 def _all_finite(x: Tensor) -> bool:

@@ -1,12 +1,16 @@
 """Compressed exports of a sparse model: a portable file, and 2:4 sparse tensors for GPU inference.
 
 :func:`save_compressed` writes a safetensors file in which every floating weight of two or more
-dimensions that is smaller stored sparse is stored as its non-zero values (in row-major order)
+dimensions (a float8_e8m0fnu one has no zero) that is smaller stored sparse is stored as its
+non-zero values (in row-major order)
 plus a bitmask of where they sit (1 bit per weight, packed little-endian into bytes); other
 tensors are stored as they are. The metadata names the sparse tensors, their shapes, and the
 N:M pattern they satisfy (``"2:4"``), if any. :func:`load_compressed` rebuilds the dense state
-dict, equal to what was saved (a pruned ``-0.0`` comes back as ``0.0``). Any safetensors reader
-can open the file; the layout is described in the ``format`` metadata entry.
+dict, equal to what was saved (a pruned ``-0.0`` comes back as ``0.0``), after checking the file
+against the format (see ``docs/safe-loading.md``): a damaged or crafted file raises a
+``ValueError`` naming the file, the tensor and what is wrong, before any dense tensor is built.
+Any safetensors reader can open the file; the layout is described in the ``layout`` metadata
+entry.
 
 :func:`to_semi_structured` swaps 2:4-sparse ``nn.Linear`` weights for PyTorch's
 ``SparseSemiStructuredTensor`` (CUDA, sparse tensor cores) for inference.
@@ -23,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +41,39 @@ from torch import Tensor, nn
 from lightning_sparse.formats.export import export_state_dict
 from lightning_sparse.masks import NM, is_nm
 
-FORMAT = "lightning_sparse.formats.compressed/1"
+VERSION = 1
+FORMAT = f"lightning_sparse.compressed/{VERSION}"
+"""What :func:`save_compressed` writes in the ``format`` metadata entry: ``<name>/<version>``."""
+FORMAT_NAMES = ("lightning_sparse.compressed", "lightning_sparse.formats.compressed")
+"""Names :func:`load_compressed` reads; the second was written for a while after the module
+moved into ``formats/``, with the same layout."""
+VALUE_DTYPES = frozenset(
+    {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ"}
+)
+"""safetensors dtypes a sparse tensor's values may have: the floating types with a zero."""
+_SPARSE_DTYPES = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    *(
+        getattr(torch, f"float8_{t}", None)
+        for t in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")
+    ),
+} - {None}  # the same types as torch dtypes (float8_e8m0fnu has no zero to prune to)
+MAX_DIMS = 64
+"""The most dimensions a sparse tensor's shape may have."""
 LAYOUT = (
     "sparse tensor <name>: '<name>::values' (the non-zero values, row-major) and "
     "'<name>::bitmask' (uint8; bit j of byte i is element 8*i+j of the flattened tensor, "
     "1 = non-zero); shapes and N:M patterns in the 'sparse' metadata entry"
 )
 _SEP = "::"
+_DAMAGED = (
+    "; the file is damaged or was not written by save_compressed: export it again with "
+    "save_compressed"
+)
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -109,6 +141,7 @@ def save_compressed(
     source: pl.Trainer | Mapping[str, Any] | str | Path,
     path: str | Path,
     verbose: bool = True,
+    trusted: bool = False,
 ) -> CompressedSize:
     """Write a compressed safetensors file of the model's weights with the masks folded in.
 
@@ -120,13 +153,15 @@ def save_compressed(
             ``save_compressed(state, path)`` on rank 0.
         path: the file to write (conventionally ``*.safetensors``).
         verbose: print the sizes (per sparse tensor and in total).
+        trusted: for a checkpoint path, unpickle it in full (see
+            :func:`~lightning_sparse.export_state_dict`).
     """
     from safetensors.torch import save_file
 
     if isinstance(source, Mapping) and "state_dict" not in source:
         state = dict(source)
     else:
-        state = export_state_dict(source)
+        state = export_state_dict(source, trusted=trusted)
     tensors: dict[str, Tensor] = {}
     sparse_meta: dict[str, dict[str, Any]] = {}
     size = CompressedSize(Path(path), 0)
@@ -143,7 +178,7 @@ def save_compressed(
         nonzero = tensor != 0
         nnz = int(nonzero.sum())
         sparse = nnz * tensor.element_size() + (tensor.numel() + 7) // 8
-        if tensor.is_floating_point() and tensor.ndim >= 2 and sparse < dense:
+        if tensor.dtype in _SPARSE_DTYPES and tensor.ndim >= 2 and sparse < dense:
             pattern = _nm_pattern(nonzero)
             tensors[f"{name}{_SEP}values"] = tensor[nonzero].contiguous()
             tensors[f"{name}{_SEP}bitmask"] = pack_bits(nonzero)
@@ -170,28 +205,224 @@ def load_compressed(
     path: str | Path, device: str | torch.device = "cpu"
 ) -> dict[str, Tensor]:
     """Rebuild the dense state dict from a :func:`save_compressed` file (loads with
-    ``model.load_state_dict(..., strict=True)`` into the plain model)."""
-    from safetensors import safe_open
+    ``model.load_state_dict(..., strict=True)`` into the plain model).
 
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        metadata = f.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise ValueError(
-                f"{path} is not a lightning_sparse compressed file (format="
-                f"{metadata.get('format')!r}, expected {FORMAT!r}); write it with "
-                f"save_compressed, or load a plain safetensors file with safetensors.torch.load_file"
+    The file is checked before any dense tensor is built (see :func:`_sparse_tensors`): a file
+    that breaks the format raises a ``ValueError`` naming the file, the tensor and what is
+    wrong, and no tensor is larger than the file's bitmasks allow (8 elements a byte).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    device = torch.device(device)
+    try:
+        handle = safe_open(str(path), framework="pt", device=str(device))
+    except SafetensorError as err:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({err}){_DAMAGED}"
+        ) from err
+    with handle as f:
+        sparse = _sparse_tensors(f, path)
+        # dense tensors first, then the sparse ones in the metadata's order, as written
+        state = {k: _read(f, k, path) for k in f.keys() if _SEP not in k}  # noqa: SIM118
+        for name, (shape, pattern, count) in sparse.items():
+            numel = math.prod(shape)
+            nonzero = _checked_bitmask(
+                _read(f, f"{name}{_SEP}bitmask", path), shape, path, name
             )
-        sparse = json.loads(metadata["sparse"])
-        names = f.keys()  # a safetensors handle is not iterable
-        state = {k: f.get_tensor(k) for k in names if _SEP not in k}
-        for name, info in sparse.items():
-            values = f.get_tensor(f"{name}{_SEP}values")
-            shape = torch.Size(info["shape"])
-            nonzero = unpack_bits(f.get_tensor(f"{name}{_SEP}bitmask"), shape.numel())
-            dense = torch.zeros(shape.numel(), dtype=values.dtype, device=values.device)
-            dense[nonzero] = values
-            state[name] = dense.view(shape)
+            marked = int(nonzero.count_nonzero())
+            if marked != count:
+                raise ValueError(
+                    f"{path}: sparse tensor {name!r}: its bitmask marks {marked} non-zeros, "
+                    f"but it has {count} values{_DAMAGED}"
+                )
+            if pattern is not None:
+                _check_pattern(nonzero, shape, pattern, path, name)
+            values = _read(f, f"{name}{_SEP}values", path)
+            # placed as integers of the same width: bit-exact for every dtype (float8 has no
+            # masked_scatter), and zero bits are 0.0 in every format
+            bits = _SAME_WIDTH[values.element_size()]
+            dense = torch.zeros(numel, dtype=bits, device=values.device)
+            dense.masked_scatter_(nonzero, values.view(bits))
+            state[name] = dense.view(values.dtype).view(shape)
     return state
+
+
+def _sparse_tensors(
+    f: Any, path: str | Path
+) -> dict[str, tuple[list[int], NM | None, int]]:
+    """Name -> (shape, N:M pattern, number of values) of the file's sparse tensors, checked
+    against the file's header (tensor names, dtypes and sizes; no tensor data is read)."""
+    metadata = f.metadata() or {}
+    _check_format(metadata.get("format"), path)
+    if "sparse" not in metadata:
+        raise ValueError(
+            f"{path}: the metadata has no 'sparse' entry (the list of sparse tensors){_DAMAGED}"
+        )
+    try:
+        entries = json.loads(metadata["sparse"])
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}: the 'sparse' metadata entry is not valid JSON ({err}){_DAMAGED}"
+        ) from err
+    if not isinstance(entries, dict):
+        raise ValueError(  # noqa: TRY004 (a file's content, not an argument's type)
+            f"{path}: the 'sparse' metadata entry is a JSON {type(entries).__name__}, not an "
+            f"object of tensor name -> {{'shape', 'pattern'}}{_DAMAGED}"
+        )
+    names = set(f.keys())
+    for key in names:
+        base, _, part = key.rpartition(_SEP)
+        if _SEP in key and (part not in ("values", "bitmask") or base not in entries):
+            raise ValueError(
+                f"{path}: tensor {key!r} is not a part of a sparse tensor listed in the "
+                f"'sparse' metadata entry (parts are '<name>{_SEP}values' and "
+                f"'<name>{_SEP}bitmask'){_DAMAGED}"
+            )
+    sparse = {}
+    for name, info in entries.items():
+        if name in names:
+            raise ValueError(
+                f"{path}: tensor {name!r} is stored dense and listed as sparse in the metadata"
+                f"{_DAMAGED}"
+            )
+        shape, pattern = _entry(info, path, name)
+        numel = math.prod(shape)
+        for part, dtypes in (("bitmask", {"U8"}), ("values", VALUE_DTYPES)):
+            key = f"{name}{_SEP}{part}"
+            if key not in names:
+                raise ValueError(
+                    f"{path}: sparse tensor {name!r} has no {key!r} tensor{_DAMAGED}"
+                )
+            header = f.get_slice(key)
+            dtype, size = header.get_dtype(), header.get_shape()
+            if dtype not in dtypes:
+                raise ValueError(
+                    f"{path}: sparse tensor {name!r}: its {part} has dtype {dtype}, expected one "
+                    f"of {sorted(dtypes)}{_DAMAGED}"
+                )
+            if len(size) != 1:
+                raise ValueError(
+                    f"{path}: sparse tensor {name!r}: its {part} has shape {size}, expected one "
+                    f"dimension{_DAMAGED}"
+                )
+            if part == "bitmask" and size[0] != -(-numel // 8):
+                raise ValueError(
+                    f"{path}: sparse tensor {name!r}: its bitmask has {size[0]} bytes, but its "
+                    f"shape {shape} needs ceil({numel} / 8) = {-(-numel // 8)}{_DAMAGED}"
+                )
+            if part == "values" and size[0] > numel:
+                raise ValueError(
+                    f"{path}: sparse tensor {name!r}: {size[0]} values for a shape {shape} of "
+                    f"{numel} elements{_DAMAGED}"
+                )
+        sparse[name] = (shape, pattern, size[0])
+    return sparse
+
+
+def _check_format(found: Any, path: str | Path) -> None:
+    name, _, version = found.rpartition("/") if isinstance(found, str) else ("", "", "")
+    if name not in FORMAT_NAMES:
+        raise ValueError(
+            f"{path} is not a lightning_sparse compressed file (format={found!r}, expected "
+            f"{FORMAT!r}); write it with save_compressed, or load a plain safetensors file with "
+            f"safetensors.torch.load_file"
+        )
+    if version != str(VERSION):
+        newer = version.isdigit() and int(version) > VERSION
+        raise ValueError(
+            f"{path} is a lightning_sparse compressed file of format version {version!r}"
+            + (
+                f", newer than this reader: this lightning_sparse reads version {VERSION} "
+                f"({FORMAT!r}); upgrade lightning_sparse to read it"
+                if newer
+                else f", which no lightning_sparse wrote (versions are 1, 2, ...){_DAMAGED}"
+            )
+        )
+
+
+def _entry(info: Any, path: str | Path, name: str) -> tuple[list[int], NM | None]:
+    """A sparse tensor's metadata entry as (shape, pattern), or a ValueError naming it."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: sparse tensor {name!r}: {what}{_DAMAGED}")
+
+    if not isinstance(info, dict) or "shape" not in info:
+        raise bad(f"its metadata entry {info!r} is not an object with a 'shape'")
+    unknown = sorted(set(info) - {"shape", "pattern"})
+    if unknown:
+        raise bad(
+            f"its metadata entry has unknown fields {unknown} (known: shape, pattern)"
+        )
+    shape = info["shape"]
+    if not (
+        isinstance(shape, list)
+        and all(type(d) is int and d >= 0 for d in shape)  # bool is no dimension
+        and len(shape) <= MAX_DIMS
+    ):
+        raise bad(
+            f"shape {shape!r} is not a list of at most {MAX_DIMS} non-negative integers"
+        )
+    if math.prod(shape) == 0:  # save_compressed stores empty tensors dense
+        raise bad(
+            f"shape {shape} has no elements, and save_compressed stores those dense"
+        )
+    pattern = info.get("pattern")
+    if pattern is None:
+        return shape, None
+    match = (
+        re.fullmatch(r"(\d{1,4}):(\d{1,4})", pattern)
+        if isinstance(pattern, str)
+        else None
+    )
+    try:
+        nm = NM(int(match[1]), int(match[2])) if match else None
+    except ValueError:
+        nm = None
+    if nm is None:
+        raise bad(
+            f"pattern {pattern!r} is not an N:M pattern with 0 < N < M (e.g. '2:4')"
+        )
+    return shape, nm
+
+
+def _read(f: Any, key: str, path: str | Path) -> Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_tensor(key)
+    except (SafetensorError, TypeError, KeyError) as err:  # a dtype torch cannot hold
+        raise ValueError(
+            f"{path}: tensor {key!r} cannot be read ({err}){_DAMAGED}"
+        ) from err
+
+
+def _checked_bitmask(
+    packed: Tensor, shape: list[int], path: str | Path, name: str
+) -> Tensor:
+    """The bitmask as a flat bool tensor, with its padding bits zero."""
+    numel = math.prod(shape)
+    if numel % 8 and int(packed[-1]) >> (numel % 8):
+        raise ValueError(
+            f"{path}: sparse tensor {name!r}: its bitmask sets bits past its {numel} elements"
+            f"{_DAMAGED}"
+        )
+    return unpack_bits(packed, numel)
+
+
+def _check_pattern(
+    nonzero: Tensor, shape: list[int], pattern: NM, path: str | Path, name: str
+) -> None:
+    if len(shape) < 2 or math.prod(shape[1:]) % pattern.m:
+        raise ValueError(
+            f"{path}: sparse tensor {name!r}: the metadata claims pattern {pattern}, but shape "
+            f"{shape} has no groups of {pattern.m} along its inputs{_DAMAGED}"
+        )
+    if not is_nm(nonzero.view(shape), pattern):
+        raise ValueError(
+            f"{path}: sparse tensor {name!r}: the metadata claims pattern {pattern}, but its "
+            f"bitmask keeps more than {pattern.n} of some {pattern.m} consecutive weights"
+            f"{_DAMAGED}"
+        )
 
 
 def to_semi_structured(model: nn.Module) -> dict[str, str]:
