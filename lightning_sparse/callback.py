@@ -16,6 +16,7 @@ from torch import nn
 from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
+from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.core.schedule import Phase, resolve_phases, validate_phase_list
 from lightning_sparse.core.selection import (
     Selection,
@@ -179,11 +180,13 @@ class SparsityCallback(Callback):
         run: RunLength,
         compute_dtype: torch.dtype | None = None,
         others: Sequence[tuple[str, Selection]] = (),
+        gpu: GpuTarget | None = None,
     ) -> tuple[Sparsifier, Selection]:
         """Select this group's parameters and build its engine for a run of ``run`` optimizer
         steps: what fit start does, without touching the model (no mask is applied), so it also
         serves dry runs (``lightning-sparse plan``). ``others`` are the ``(name, selection)`` of
-        the other groups, which must own disjoint parameters.
+        the other groups, which must own disjoint parameters; ``gpu`` chooses the backends for
+        that GPU instead of the parameters' device (a prediction).
 
         Example:
             >>> from torch import nn
@@ -206,6 +209,7 @@ class SparsityCallback(Callback):
             log=rank_zero_info,
             compute_dtype=compute_dtype,
             verify_speed=self.verify_speed,
+            gpu=gpu,
         )
         return sparsifier, selection
 

@@ -279,3 +279,58 @@ def test_main_job_reaches_over_90_percent_in_minutes(tmp_path, capsys, monkeypat
     acc = float(out.split("val/acc: ")[1].split()[0])
     seconds = float(out.split("epochs in ")[1].split()[0])
     assert acc > 0.9 and seconds < 300 and not math.isnan(acc)
+
+
+BAD_FIT = """
+trainer:
+  max_steps: 2
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning_sparse.SparsityCallback
+      init_args:
+        params: [{params}]
+        phases:
+          - {{sparsity: {sparsity}}}
+model:
+  class_path: lightning.pytorch.demos.boring_classes.BoringModel
+data:
+  class_path: lightning.pytorch.demos.boring_classes.BoringDataModule
+"""
+
+
+@pytest.mark.parametrize(
+    ("params", "sparsity", "message"),
+    [
+        (
+            '"layer.weight"',
+            "1.5",
+            "sparsity=1.5 is outside",
+        ),  # when the callback is built
+        (
+            '"nothing.here"',
+            "0.5",
+            "'nothing.here' matches no parameter",
+        ),  # at fit start
+        ('"layer.weight"', "'2:5:1'", "sparsity"),
+    ],
+)
+def test_config_errors_end_fit_with_a_message_not_a_traceback(
+    tmp_path, params, sparsity, message
+):
+    config = tmp_path / "bad.yaml"
+    config.write_text(BAD_FIT.format(params=params, sparsity=sparsity))
+    with pytest.raises(SystemExit) as err:
+        main(["fit", f"--config={config}"])
+    assert str(err.value).startswith("lightning-sparse fit: ") and message in str(
+        err.value
+    )
+
+
+def test_a_bad_key_in_a_config_is_a_message(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(BAD_FIT.format(params='"layer.weight"', sparsity="0.5"))
+    with pytest.raises(SystemExit, match="lightning-sparse: .*max_stepz"):
+        main(["fit", f"--config={config}", "--trainer.max_stepz=3"])

@@ -3,8 +3,9 @@ instantiated, and its sparsity schedule planned (``plan``: selection, phases res
 the run, backends, FLOPs), without training.
 
 The full-scale recipes (ViT-L/S DINOv2, GPT-2) are built on the ``meta`` device (no memory, no
-init time) and planned on the CPU (``--trainer.accelerator=cpu``, one device); their token files
-are replaced by a small temporary file (TokenFileDataModule checks the path when built).
+init time) and planned as they are: ``plan`` never builds their GPU accelerator, and never
+builds their data (their token files do not exist here), since ``max_steps`` gives the run
+length.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -37,24 +37,6 @@ def _no_pytest_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
 
 
-def _full_scale_args(recipe: Path, tmp_path: Path) -> list[str]:
-    args = [
-        "--trainer.accelerator=cpu",
-        "--trainer.devices=1",
-        "--trainer.num_nodes=1",
-        "--trainer.strategy=auto",
-    ]
-    text = recipe.read_text()
-    if "TokenFileDataModule" in text:
-        tokens = tmp_path / "tokens.bin"
-        np.arange(4096, dtype=np.uint16).tofile(tokens)
-        args += [
-            f"--data.init_args.train_path={tokens}",
-            f"--data.init_args.val_path={tokens}",
-        ]
-    return args
-
-
 def is_full_scale(recipe: Path) -> bool:
     return recipe.is_relative_to(RECIPES) and recipe.name != "cpu_demo.yaml"
 
@@ -63,8 +45,6 @@ def plan(recipe: Path, tmp_path: Path, *extra: str) -> SparseCLI:
     """``lightning-sparse plan`` on ``recipe`` (a full-scale one on the meta device)."""
     full_scale = is_full_scale(recipe)
     args = ["plan", f"--config={recipe}", *extra, f"--plot_path={tmp_path / 'p.png'}"]
-    if full_scale:
-        args += _full_scale_args(recipe, tmp_path)
     with torch.device("meta") if full_scale else contextlib.nullcontext():
         return SparseCLI(args=args)
 
@@ -129,3 +109,73 @@ def test_overlay_adds_the_callback_to_a_dense_base_recipe(tmp_path, capsys):
     # no params: the default selection, attention and MLP linears of the 4 blocks
     assert "16 parameters" in out and "model.blocks.3.attn.qkv.weight" in out
     assert "model.head.weight" not in out.split("left dense:")[0]
+
+
+def test_full_scale_recipes_plan_as_configured_without_gpu_or_data(tmp_path, capsys):
+    """No override: the recipe's gpu accelerator, 8 devices and ddp are assumed, not built,
+    and its token files (absent here) are never opened."""
+    cli = plan(RECIPES / "gpt" / "gpt2_24_70pct.yaml", tmp_path, "--plot=false")
+    out = capsys.readouterr().out
+    assert "accelerator=gpu, devices=8" in out and "strategy=ddp" in out
+    assert "precision=bf16-mixed" in out and "No data was read" in out
+    assert cli.datamodule is None and cli.trainer.global_step == 0
+
+
+def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):
+    plan(
+        RECIPES / "dinov2" / "vitl14_24_70pct.yaml",
+        tmp_path,
+        "--plot=false",
+        "--gpu=h100",
+    )
+    out = capsys.readouterr().out
+    assert "predicted for H100 SXM (sm90" in out and "not a measured speed" in out
+    rows = [line for line in out.splitlines() if ".mlp.fc1.weight " in line]
+    assert rows and all(
+        "semi_structured" in r and "cuSPARSELt, sm90" in r for r in rows[:24]
+    )
+    assert "at peak rates" in out
+
+
+def test_plan_for_a_target_gpu_says_why_a_shape_stays_masked(tmp_path, capsys):
+    """The tiny ViT's 384x96 fc1 takes no 2:4 kernel: cuSPARSELt needs multiples of 128, and
+    CUTLASS (sm8x only) multiples of 64."""
+    recipe = RECIPES / "vit" / "cpu_demo.yaml"
+    for gpu, cutlass in [("h100", "CUTLASS 2:4 kernels are sm8x only"), ("sm80", "64")]:
+        plan(
+            recipe,
+            tmp_path,
+            "--plot=false",
+            f"--gpu={gpu}",
+            "--trainer.precision=bf16-mixed",
+        )
+        out = capsys.readouterr().out
+        row = [line for line in out.splitlines() if "blocks.0.mlp.fc1.weight " in line][
+            0
+        ]
+        assert "384x96" in row and " masked " in row
+        assert (
+            "cuSPARSELt needs both dimensions multiples of 128" in row
+            and cutlass in row
+        )
+
+
+def test_plan_rejects_an_unknown_gpu_with_the_names_it_knows(tmp_path):
+    with pytest.raises(SystemExit, match="neither a GPU this plan knows.*'h100'"):
+        plan(RECIPES / "vit" / "cpu_demo.yaml", tmp_path, "--plot=false", "--gpu=h1000")
+
+
+def test_an_overlay_alone_says_to_combine_it_with_a_base_config(tmp_path):
+    with pytest.raises(SystemExit, match="give a base config first") as err:
+        SparseCLI(args=["plan", f"--config={OVERLAYS[0]}"])
+    assert "Traceback" not in str(err.value)
+
+
+def test_an_epoch_counted_run_without_its_data_says_what_to_add(tmp_path):
+    """Counted in epochs, the run's length needs the train loader, whose token file is not
+    here: the message names the file and the setting that plans without it."""
+    recipe = RECIPES / "gpt" / "gpt2_24_70pct.yaml"
+    epochs = ["--plot=false", "--trainer.max_steps=-1", "--trainer.max_epochs=2"]
+    with pytest.raises(SystemExit, match="train_path.*max_steps=N") as err:
+        plan(recipe, tmp_path, *epochs)
+    assert "Traceback" not in str(err.value)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sparse.backends.capability import semi_structured_kernel
+from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.masks import NM, Sparsity, describe
 
 BACKEND_NAMES = ("auto", "masked", "semi_structured")
@@ -60,17 +61,19 @@ def choose_backend(
     owners: Sequence[tuple[str, nn.Module, str]],
     compute_dtype: torch.dtype | None = None,
     speedup: Speedup | None = None,
+    gpu: GpuTarget | None = None,
 ) -> BackendChoice:
     """The backend for ``weight`` (held by ``owners``) in a sparse phase with ``target``.
 
     ``compute_dtype`` is the autocast dtype (``None``: the weight's own); ``speedup``, when
-    given, measures sparse against dense and keeps slower layers on masked dense math.
+    given, measures sparse against dense and keeps slower layers on masked dense math;
+    ``gpu`` predicts the choice on that GPU instead of the weight's own device.
     """
     if requested == "masked":
         return BackendChoice("masked", "requested")
     if target != NM(2, 4):
         return BackendChoice("masked", f"{describe(target)} has no sparse kernel")
-    kernel, why = semi_structured_kernel(weight, owners, compute_dtype)
+    kernel, why = semi_structured_kernel(weight, owners, compute_dtype, gpu)
     if kernel is None:
         return BackendChoice("masked", why)
     if speedup is not None:

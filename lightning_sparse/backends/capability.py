@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import forward_unsupported
 
 AMPERE = (8, 0)
@@ -66,10 +67,30 @@ def cusparselt_available() -> bool:
     return torch.backends.cusparselt.is_available()
 
 
+TORCH_FEATURES = {
+    "torch._sparse_semi_structured_tile": lambda: hasattr(
+        torch, "_sparse_semi_structured_tile"
+    ),
+    "torch.sparse.SparseSemiStructuredTensorCUSPARSELT": lambda: hasattr(
+        torch.sparse, "SparseSemiStructuredTensorCUSPARSELT"
+    ),
+    "torch.sparse.SparseSemiStructuredTensorCUTLASS": lambda: hasattr(
+        torch.sparse, "SparseSemiStructuredTensorCUTLASS"
+    ),
+}
+"""What the 2:4 path needs from torch, by name, and how to tell that it is there."""
+
+
+def missing_torch_features() -> list[str]:
+    """The parts of :data:`TORCH_FEATURES` this torch lacks (none on a supported release)."""
+    return [name for name, present in TORCH_FEATURES.items() if not present()]
+
+
 def semi_structured_kernel(
     weight: Tensor,
     owners: Sequence[tuple[str, nn.Module, str]],
     compute_dtype: torch.dtype | None = None,
+    target: GpuTarget | None = None,
 ) -> tuple[str | None, str]:
     """``(kernel, reason)``: the 2:4 tensor format that can run this weight's matmuls
     (``"cusparselt"`` or ``"cutlass"``) and a short description, or ``(None, why not)``.
@@ -78,7 +99,16 @@ def semi_structured_kernel(
         weight: the parameter.
         owners: ``(module name, module, attribute)`` for each module holding it.
         compute_dtype: the autocast dtype, or ``None`` for the weight's own dtype.
+        target: predict for this GPU (``lightning-sparse plan --gpu``) instead of the
+            weight's own device: the weight is taken to be there, and torch to be a CUDA
+            build with cuSPARSELt, as PyPI's are.
     """
+    missing = missing_torch_features()
+    if missing:
+        return None, (
+            f"this torch ({torch.__version__}) lacks {', '.join(missing)}: the 2:4 kernels "
+            f"need a torch release that has them"
+        )
     if len(owners) != 1:
         return None, "shared by several modules (tied weights)"
     _, module, attr = owners[0]
@@ -88,7 +118,7 @@ def semi_structured_kernel(
     if type(weight.data) is not torch.Tensor:
         kind = type(weight.data).__name__
         return None, f"a {kind}, not a plain tensor (e.g. sharded by FSDP2)"
-    capability = device_capability(weight.device)
+    capability = target.capability if target else device_capability(weight.device)
     if isinstance(capability, str):
         return None, capability
     if capability < AMPERE:
@@ -106,14 +136,15 @@ def semi_structured_kernel(
     if compute_dtype is None and bias is not None and bias.dtype != dtype:
         return None, f"bias is {_name(bias.dtype)} but the weight is {_name(dtype)}"
     arch = f"sm{capability[0]}{capability[1]}, {_name(dtype)}"
-    if cusparselt_available() and _multiples(weight, CUSPARSELT_MULTIPLE):
+    has_cusparselt = target is not None or cusparselt_available()
+    if has_cusparselt and _multiples(weight, CUSPARSELT_MULTIPLE):
         return "cusparselt", f"cuSPARSELt, {arch}"
     sm8x = capability[0] == 8
     if sm8x and _multiples(weight, CUTLASS_MULTIPLE):
         return "cutlass", f"CUTLASS, {arch}"
     cusparselt = (
         f"cuSPARSELt needs both dimensions multiples of {CUSPARSELT_MULTIPLE}"
-        if cusparselt_available()
+        if has_cusparselt
         else "this torch build has no cuSPARSELt"
     )
     cutlass = (

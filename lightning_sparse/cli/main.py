@@ -10,11 +10,14 @@ The same YAML recipes as any LightningCLI script (``model``, ``data``, ``trainer
 
 ``fit`` ends with the task metrics (the ``val*`` entries of ``trainer.callback_metrics``) and
 the wall time, after each ``SparsityCallback``'s summary (phases with their step ranges, final
-sparsity). ``plan`` is a dry run: it instantiates the model, data and trainer of the config,
-builds every ``SparsityCallback`` as fit start would, prints which parameters each group
-selects, their sparsity in each phase, the backend each would get on this machine and why, and
-the theoretical FLOP savings (:mod:`lightning_sparse.cli.plan`), then writes a PNG of the schedule
-next to the (first) config, or to ``--plot_path``.
+sparsity). ``plan`` is a dry run that works on any machine: it builds the model and a CPU
+trainer (never the configured accelerator, devices, strategy or loggers) and, only when the run
+length is counted in epochs, the data; it builds every ``SparsityCallback`` as fit start would,
+prints which parameters each group selects, their sparsity in each phase, the backend each would
+get (on this machine, or predicted for ``--gpu h100``) and why, and the theoretical FLOP savings
+(:mod:`lightning_sparse.cli.plan`), then writes a PNG of the schedule next to the (first)
+config, or to ``--plot_path``. A configuration error ends any subcommand with a short message,
+not a traceback.
 
 Example:
     >>> sorted(SparseCLI.subcommands())
@@ -26,14 +29,25 @@ from __future__ import annotations
 import os
 import sys
 import time
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
+from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.cli.plan import SchedulePlan, format_plan, plan_schedule
 from lightning_sparse.cli.plot import PLOT_HINT, plot_schedule
+
+OVERLAY_ONLY = (
+    "the config names no model{data}: a sparsity overlay (such as "
+    "recipes/overlays/sparsity_24_70pct.yaml) only adds a SparsityCallback to "
+    "trainer.callbacks, so give a base config first, which names the model, the data and the "
+    "trainer: lightning-sparse {subcommand} --config my_recipe.yaml --config "
+    "recipes/overlays/sparsity_24_70pct.yaml"
+)
 
 
 class SparseTrainer(pl.Trainer):
@@ -45,6 +59,7 @@ class SparseTrainer(pl.Trainer):
         datamodule: pl.LightningDataModule | None = None,
         plot: bool = True,
         plot_path: str | None = None,
+        gpu: str | None = None,
     ) -> SchedulePlan:
         """Dry run of the sparsity schedule: print what each ``SparsityCallback`` would do in
         ``fit`` (parameters, per-layer sparsity per phase, backend and why, FLOP savings)
@@ -56,19 +71,10 @@ class SparseTrainer(pl.Trainer):
             plot: write a PNG of the schedule (needs matplotlib, ``lightning-sparse[plot]``).
             plot_path: where; default ``<default_root_dir>/sparsity_plan.png`` (the command
                 line: next to the config).
+            gpu: predict each layer's backend for this GPU (``h100``, ``a100``, ``l4``,
+                ``sm80``, ...) instead of this machine.
         """
-        plan = plan_schedule(self, model, datamodule)
-        print(format_plan(plan))
-        if plot:
-            path = plot_path or os.path.join(self.default_root_dir, "sparsity_plan.png")
-            try:
-                plot_schedule(plan, path)
-                print(f"Schedule plot: {path}")
-            except ModuleNotFoundError as err:
-                if PLOT_HINT not in str(err):
-                    raise
-                print(f"No schedule plot: {PLOT_HINT}")
-        return plan
+        return print_plan(self, model, datamodule, plot, plot_path, gpu)
 
 
 class SparseCLI(LightningCLI):
@@ -80,10 +86,73 @@ class SparseCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_kwargs", {"exit_on_error": False})
         self._fit_started = 0.0
+        self._assumed: dict[str, Any] = {}
         super().__init__(
             pl.LightningModule, pl.LightningDataModule, args=args, **kwargs
         )
+
+    def parse_arguments(self, parser: Any, args: ArgsType) -> None:
+        """Parse the command line; an error in it or in a config ends with a message."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            sys.exit(f"lightning-sparse: {_explain_parse_error(err, args)}")
+
+    def instantiate_classes(self) -> None:
+        """Build the config's objects (for ``plan``: on this CPU, see :meth:`_plan_here`); a
+        configuration error ends with its message instead of a traceback."""
+        without_data = self.subcommand == "plan" and self._plan_here()
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            explain = _plan_error if self.subcommand == "plan" else _innermost
+            sys.exit(f"lightning-sparse {self.subcommand}: {explain(err)}")
+        if without_data:
+            self.datamodule = None
+
+    def _plan_here(self) -> bool:
+        """Change the ``plan`` config so that it builds on any machine: a CPU trainer (the
+        configured accelerator, devices, strategy and loggers are recorded, not built), and no
+        data when ``max_steps`` gives the run length (then ``True``: the config's data module
+        is replaced by an empty one, never built)."""
+        trainer = self.config["plan"]["trainer"]
+        configured = {
+            key: trainer.get(key)
+            for key in ("accelerator", "devices", "num_nodes", "strategy", "precision")
+        }
+        precision = str(configured["precision"] or "32-true")
+        world_size = _world_size(configured["devices"], configured["num_nodes"])
+        trainer["accelerator"], trainer["devices"], trainer["num_nodes"] = "cpu", 1, 1
+        trainer["strategy"], trainer["logger"] = "auto", False
+        if precision in ("16-mixed", "16"):  # Lightning swaps it for bf16-mixed on the CPU
+            trainer["precision"] = "32-true"
+        max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
+        steps_only = max_steps not in (None, -1) and max_epochs in (None, -1)
+        if steps_only:
+            self.config["plan"]["data"] = Namespace(
+                class_path="lightning.pytorch.LightningDataModule", init_args=Namespace()
+            )
+        strategy = configured["strategy"]
+        strategy = getattr(strategy, "class_path", strategy) or "auto"
+        self._assumed = {
+            "precision": precision,
+            "world_size": world_size,
+            "note": (
+                f"Planned on this machine's CPU; the config's trainer settings are assumed, "
+                f"not built: accelerator={configured['accelerator'] or 'auto'}, "
+                f"devices={configured['devices'] or 'auto'}, "
+                f"num_nodes={configured['num_nodes'] or 1}, strategy={strategy}, "
+                f"precision={precision}. "
+                + (
+                    "No data was read (max_steps gives the run length)."
+                    if steps_only
+                    else "The data module was built to count the batches of an epoch."
+                )
+            ),
+        }
+        return steps_only
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -92,6 +161,17 @@ class SparseCLI(LightningCLI):
             "validate": {"model", "dataloaders", "datamodule"},
             "plan": {"model", "datamodule"},
         }
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; a configuration error that the sparsity code raises once the run starts (a
+        pattern that matches nothing, a phase the model cannot take) ends with its message.
+        ``LIGHTNING_SPARSE_TRACEBACK=1`` shows the traceback instead."""
+        try:
+            super()._run_subcommand(subcommand)
+        except (ValueError, TypeError) as err:
+            if os.environ.get("LIGHTNING_SPARSE_TRACEBACK") or not _raised_here(err):
+                raise
+            sys.exit(f"lightning-sparse {subcommand}: {err}")
 
     def before_fit(self) -> None:
         self._fit_started = time.perf_counter()
@@ -106,15 +186,18 @@ class SparseCLI(LightningCLI):
         datamodule: pl.LightningDataModule | None = None,
         plot: bool = True,
         plot_path: str | None = None,
+        gpu: str | None = None,
     ) -> None:
         """Run :meth:`SparseTrainer.plan`, the plot next to the config by default; a
         configuration error ends the command with its message."""
         if plot_path is None:
             plot_path = self._plot_path_beside_config()
         try:
-            self.trainer.plan(model, datamodule, plot=plot, plot_path=plot_path)
-        except ValueError as err:
-            sys.exit(f"lightning-sparse plan: {err}")
+            print_plan(
+                self.trainer, model, datamodule, plot, plot_path, gpu, **self._assumed
+            )
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            sys.exit(f"lightning-sparse plan: {_plan_error(err)}")
 
     def _plot_path_beside_config(self) -> str | None:
         """``<config stems joined by +>_plan.png`` beside the first config; ``None`` without a
@@ -124,6 +207,111 @@ class SparseCLI(LightningCLI):
             return None
         stem = "+".join(c.stem for c in configs)
         return str(configs[0].parent / f"{stem}_plan.png")
+
+
+def print_plan(
+    trainer: pl.Trainer,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule | None,
+    plot: bool,
+    plot_path: str | None,
+    gpu: str | None,
+    precision: str | None = None,
+    world_size: int | None = None,
+    note: str | None = None,
+) -> SchedulePlan:
+    """Plan (:func:`~lightning_sparse.cli.plan.plan_schedule`), print it after ``note`` and
+    plot it (see :meth:`SparseTrainer.plan`); ``precision`` and ``world_size`` are the run's
+    when ``trainer`` was built otherwise."""
+    target = None if gpu is None else parse_gpu(gpu)
+    plan = plan_schedule(trainer, model, datamodule, target, precision, world_size)
+    if note:
+        print(note)
+    print(format_plan(plan))
+    if plot:
+        path = plot_path or os.path.join(trainer.default_root_dir, "sparsity_plan.png")
+        try:
+            plot_schedule(plan, path)
+            print(f"Schedule plot: {path}")
+        except ModuleNotFoundError as err:
+            if PLOT_HINT not in str(err):
+                raise
+            print(f"No schedule plot: {PLOT_HINT}")
+    return plan
+
+
+def _world_size(devices: Any, num_nodes: Any) -> int:
+    """The processes a run on ``devices`` x ``num_nodes`` would have (1 when not a count)."""
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    elif isinstance(devices, str) and devices.isdigit():
+        count = int(devices)
+    else:
+        count = 1
+    return count * (num_nodes if isinstance(num_nodes, int) and num_nodes > 0 else 1)
+
+
+def _innermost(err: BaseException) -> str:
+    """The message of the error that caused ``err`` (jsonargparse wraps the one a class
+    raised while being built)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return str(err)
+
+
+def _explain_parse_error(err: ArgumentError, args: ArgsType) -> str:
+    """A command-line or config error as the user should read it."""
+    message = str(err)
+    missing = message.split("required:")[-1] if "required:" in message else ""
+    subcommand = next(
+        (a for a in (args or sys.argv[1:]) if a in SparseCLI.subcommands()), None
+    )
+    if subcommand and f"{subcommand}.model" in missing:
+        data = " or data" if f"{subcommand}.data" in missing else ""
+        return OVERLAY_ONLY.format(data=data, subcommand=subcommand)
+    return f"{message} (see lightning-sparse {subcommand or ''} --help)".replace(
+        "  ", " "
+    )
+
+
+def _plan_error(err: BaseException) -> str:
+    """A plan error, with what to add when the run length needs data it could not read."""
+    message = _innermost(err)
+    if _raised_by_data(err) or "dataloader" in message.lower():
+        return (
+            f"{message}. The run length is counted in epochs, so plan reads the train "
+            f"loader's length; to plan without the data, bound the run with steps: "
+            f"--trainer.max_steps=N --trainer.max_epochs=-1"
+        )
+    return message
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _raised_here(err: BaseException) -> bool:
+    """Whether ``err`` was raised by this package's own code (its validation)."""
+    traceback = err.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return traceback is not None and traceback.tb_frame.f_code.co_filename.startswith(
+        _PACKAGE
+    )
+
+
+def _raised_by_data(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) was raised inside a data module's method."""
+    while err is not None:
+        traceback = err.__traceback__
+        while traceback is not None:
+            owner = traceback.tb_frame.f_locals.get("self")
+            if isinstance(owner, pl.LightningDataModule):
+                return True
+            traceback = traceback.tb_next
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def fit_summary(trainer: pl.Trainer, seconds: float) -> str:

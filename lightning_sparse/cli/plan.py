@@ -39,6 +39,7 @@ from torch import nn
 
 from lightning_sparse.algorithms import RunLength, SparsityAlgorithm
 from lightning_sparse.backends.capability import autocast_dtype
+from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.callback import SparsityCallback
 from lightning_sparse.cli.flops import FlopSavings, linear_flops_per_token, run_savings
 from lightning_sparse.core.schedule import ResolvedPhase
@@ -70,6 +71,8 @@ class SchedulePlan:
     run_description: str
     groups: list[GroupPlan]
     flops: dict[str, int]  #: forward FLOPs per token of each trainable Linear weight
+    gpu: GpuTarget | None = None  #: the GPU the backends were predicted for
+    precision: str | None = None  #: the precision the backends were chosen for
 
     @property
     def run_savings(self) -> float:
@@ -78,10 +81,14 @@ class SchedulePlan:
 
 
 def run_length(
-    trainer: pl.Trainer, datamodule: pl.LightningDataModule | None = None
+    trainer: pl.Trainer,
+    datamodule: pl.LightningDataModule | None = None,
+    world_size: int | None = None,
 ) -> tuple[RunLength, str]:
     """The run's optimizer steps and steps per epoch as fit start will see them, and how they
-    were worked out (see the module docstring)."""
+    were worked out (see the module docstring); ``world_size``: the run's processes, when
+    ``trainer`` was built with another number."""
+    world_size = world_size or trainer.world_size
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     if max_epochs == -1 or max_epochs is None:
         if max_steps == -1:
@@ -106,12 +113,12 @@ def run_length(
             ) from None
         return RunLength(float(max_steps)), f"{max_steps} optimizer steps (max_steps)"
     batches = _limited(length, trainer.limit_train_batches)
-    batches = math.ceil(batches / max(1, trainer.world_size))
+    batches = math.ceil(batches / max(1, world_size))
     per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
     total = per_epoch * max(max_epochs, 1)
     how = (
         f"max_epochs={max_epochs} x {per_epoch} optimizer steps per epoch ({batches} batches"
-        + (f" per device on {trainer.world_size}" if trainer.world_size > 1 else "")
+        + (f" per device on {world_size}" if world_size > 1 else "")
         + f", accumulate_grad_batches={trainer.accumulate_grad_batches})"
     )
     if max_steps != -1 and max_steps < total:
@@ -168,8 +175,9 @@ def _plan_group(
     compute_dtype: torch.dtype | None,
     others: list[tuple[str, Selection]],
     flops: dict[str, int],
+    gpu: GpuTarget | None,
 ) -> GroupPlan:
-    sparsifier, selection = callback.build(model, run, compute_dtype, others)
+    sparsifier, selection = callback.build(model, run, compute_dtype, others, gpu)
     weights = {t.name: t.param.detach() for t in sparsifier.targets}
     end: dict[str, list[float]] = {name: [] for name in weights}
     mean: dict[str, list[float]] = {name: [] for name in weights}
@@ -190,9 +198,18 @@ def plan_schedule(
     trainer: pl.Trainer,
     model: pl.LightningModule,
     datamodule: pl.LightningDataModule | None = None,
+    gpu: GpuTarget | None = None,
+    precision: str | None = None,
+    world_size: int | None = None,
 ) -> SchedulePlan:
     """Build every ``SparsityCallback`` of ``trainer`` for ``model`` as fit start would, without
     training or applying masks (see the module docstring).
+
+    With ``gpu``, each layer's backend is the one ``fit`` would choose on that GPU (same rules,
+    :func:`~lightning_sparse.backends.capability.semi_structured_kernel`): a prediction of
+    eligibility, not a measured speed. ``precision`` is the run's precision when the trainer
+    given was built with another one (the command line plans on the CPU), and ``world_size``
+    its number of processes.
 
     Raises:
         ValueError: the trainer has no ``SparsityCallback``, the run has no length, or a
@@ -204,21 +221,39 @@ def plan_schedule(
             "the trainer has no SparsityCallback, so there is no schedule to plan: add one to "
             "trainer.callbacks (e.g. --config recipes/overlays/sparsity_24_70pct.yaml)"
         )
-    run, how = run_length(trainer, datamodule)
+    run, how = run_length(trainer, datamodule, world_size)
     model = _for_this_machine(trainer, model)
     flops = linear_flops_per_token(model)
-    compute_dtype = autocast_dtype(trainer.precision)
+    precision = precision or str(trainer.precision)
+    compute_dtype = autocast_dtype(precision)
     groups: list[GroupPlan] = []
     for callback in callbacks:
         others = [(g.name, g.selection) for g in groups]
-        groups.append(_plan_group(callback, model, run, compute_dtype, others, flops))
-    return SchedulePlan(run, how, groups, flops)
+        groups.append(
+            _plan_group(callback, model, run, compute_dtype, others, flops, gpu)
+        )
+    return SchedulePlan(run, how, groups, flops, gpu, precision)
+
+
+def kernel_share(plan: SchedulePlan, group: GroupPlan) -> list[float]:
+    """Per phase of ``group``: the fraction of the model's counted forward Linear FLOPs whose
+    layers run on a 2:4 kernel (``semi_structured``) in that phase."""
+    total = sum(plan.flops.values())
+    shares = []
+    for phase in group.sparsifier.phases:
+        on_kernel = sum(
+            plan.flops.get(name, 0)
+            for (index, name), choice in group.sparsifier.backends.items()
+            if index == phase.index and choice.name == "semi_structured"
+        )
+        shares.append(on_kernel / total if total else 0.0)
+    return shares
 
 
 def format_plan(plan: SchedulePlan) -> str:
     """The plan as text: run length, each group's table (parameters, phases, backends and
     why), per-layer sparsity and FLOPs, and the theoretical FLOP savings."""
-    lines = [f"Run: {plan.run_description}", ""]
+    lines = [f"Run: {plan.run_description}", backends_line(plan), ""]
     total = plan.flops and sum(plan.flops.values())
     for group in plan.groups:
         sp = group.sparsifier
@@ -244,13 +279,16 @@ def format_plan(plan: SchedulePlan) -> str:
             f"{saved.total_per_token / 1e6:.3g} MFLOP/token ({share:.1%} of the model's "
             f"trainable Linear FLOPs)"
         )
-        for phase, fraction in zip(sp.phases, saved.per_phase):
+        shares = kernel_share(plan, group)
+        for phase, fraction, share in zip(sp.phases, saved.per_phase, shares):
             end = phase.end if phase.end is not None else plan.run.total_steps
             length = (end - phase.start) / plan.run.total_steps
             lines.append(
                 f"  phase {phase.index + 1} ({phase.span()}, {length:.0%} of the run, "
                 f"{phase.spec.describe()}): skips {fraction:.1%} of the forward Linear FLOPs"
             )
+            if plan.gpu is not None and share:
+                lines.append(f"    {_peak_bound(plan.gpu, share)}")
         lines.append("")
     lines.append(
         f"Theoretical forward FLOP savings over the run: {plan.run_savings:.1%} of the "
@@ -260,3 +298,38 @@ def format_plan(plan: SchedulePlan) -> str:
         f"lightning_sparse/cli/flops.py."
     )
     return "\n".join(lines)
+
+
+def backends_line(plan: SchedulePlan) -> str:
+    """Where the plan's backends come from: this machine, or a prediction for a GPU."""
+    if plan.gpu is None:
+        return (
+            f"Backends: as fit would choose them on this machine (precision "
+            f"{plan.precision}); plan --gpu NAME predicts them for a GPU"
+        )
+    gpu = plan.gpu
+    rates = (
+        f", peak tensor cores {gpu.dense_tflops:g} TFLOP/s dense, {gpu.sparse_tflops:g} "
+        f"with 2:4"
+        if gpu.dense_tflops and gpu.sparse_tflops
+        else ""
+    )
+    return (
+        f"Backends: predicted for {gpu.name} ({gpu.arch}{rates}), precision "
+        f"{plan.precision}, from the rules fit applies (capability, dtype, shape; a CUDA "
+        f"build of torch with cuSPARSELt assumed): which layers can run 2:4 kernels, not a "
+        f"measured speed"
+    )
+
+
+def _peak_bound(gpu: GpuTarget, share: float) -> str:
+    """What the layers on 2:4 kernels could save at the GPU's peak rates (an upper bound)."""
+    if not (gpu.dense_tflops and gpu.sparse_tflops):
+        return f"{share:.1%} of the forward Linear FLOPs on 2:4 kernels"
+    speedup = gpu.sparse_tflops / gpu.dense_tflops
+    time = 1.0 - share + share / speedup
+    return (
+        f"{share:.1%} of the forward Linear FLOPs on 2:4 kernels: at peak rates "
+        f"({speedup:.1f}x for them) the counted Linear forward takes at least {time:.1%} of "
+        f"its dense time (measured 2:4 GEMMs reach 1.1-1.4x, not {speedup:.1f}x)"
+    )

@@ -46,6 +46,7 @@ from lightning_sparse.backends import (
     require_semi_structured,
     validate_backend,
 )
+from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import (
     install_masked_forward,
     straight_through_unsupported,
@@ -107,6 +108,8 @@ class Sparsifier:
         compute_dtype: the autocast dtype of the matmuls (``None``: the weights' own dtype).
         verify_speed: with ``backend="auto"``, time each distinct layer shape once, sparse
             against dense, and keep dense math where the sparse kernel is slower.
+        gpu: choose backends for this GPU instead of the weights' device (a plan for another
+            machine: the choices are predictions, and ``verify_speed`` measures nothing).
 
     Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
     shards like the parameter (see :mod:`lightning_sparse.engine.sharding`); call every method on
@@ -123,6 +126,7 @@ class Sparsifier:
         log: Callable[[str], None] = lambda message: None,
         compute_dtype: torch.dtype | None = None,
         verify_speed: bool = False,
+        gpu: GpuTarget | None = None,
     ) -> None:
         self.name = name
         self.targets = list(targets)
@@ -132,14 +136,20 @@ class Sparsifier:
             p.index: build_algorithm(p, run) for p in self.phases if not p.spec.is_dense
         }
         self.backend = validate_backend(backend, verify_speed)
-        speedup = SpeedCheck() if verify_speed else None
+        speedup = SpeedCheck() if verify_speed and gpu is None else None
         self.backends: dict[tuple[int, str], BackendChoice] = {}
         for phase in self.phases:
             if phase.index in self.algorithms:
                 self._check_phase(phase, self.algorithms[phase.index])
                 for t in self.targets:
                     self.backends[phase.index, t.name] = choose_backend(
-                        backend, phase.target, t.param, t.owners, compute_dtype, speedup
+                        backend,
+                        phase.target,
+                        t.param,
+                        t.owners,
+                        compute_dtype,
+                        speedup,
+                        gpu,
                     )
         if backend == "semi_structured":
             require_semi_structured(
