@@ -150,9 +150,9 @@ def test_plan_for_a_target_gpu_says_why_a_shape_stays_masked(tmp_path, capsys):
             "--trainer.precision=bf16-mixed",
         )
         out = capsys.readouterr().out
-        row = [line for line in out.splitlines() if "blocks.0.mlp.fc1.weight " in line][
-            0
-        ]
+        row = next(
+            line for line in out.splitlines() if "blocks.0.mlp.fc1.weight " in line
+        )
         assert "384x96" in row and " masked " in row
         assert (
             "cuSPARSELt needs both dimensions multiples of 128" in row

@@ -126,13 +126,17 @@ class SparseCLI(LightningCLI):
         world_size = _world_size(configured["devices"], configured["num_nodes"])
         trainer["accelerator"], trainer["devices"], trainer["num_nodes"] = "cpu", 1, 1
         trainer["strategy"], trainer["logger"] = "auto", False
-        if precision in ("16-mixed", "16"):  # Lightning swaps it for bf16-mixed on the CPU
+        if precision in (
+            "16-mixed",
+            "16",
+        ):  # Lightning swaps it for bf16-mixed on the CPU
             trainer["precision"] = "32-true"
         max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
         steps_only = max_steps not in (None, -1) and max_epochs in (None, -1)
         if steps_only:
             self.config["plan"]["data"] = Namespace(
-                class_path="lightning.pytorch.LightningDataModule", init_args=Namespace()
+                class_path="lightning.pytorch.LightningDataModule",
+                init_args=Namespace(),
             )
         strategy = configured["strategy"]
         strategy = getattr(strategy, "class_path", strategy) or "auto"
