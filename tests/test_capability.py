@@ -15,6 +15,7 @@ from lightning_sparse.backends import (
     validate_backend,
 )
 from lightning_sparse.backends import capability as cap
+from lightning_sparse.backends.gpus import GpuTarget, parse_gpu
 from lightning_sparse.masks import NM
 
 
@@ -173,3 +174,52 @@ def test_validate_backend_and_the_semi_structured_error():
         require_semi_structured(
             [("phase 1 a.weight", "no CUDA GPU"), ("phase 1 b.weight", "70% ...")]
         )
+
+
+@pytest.mark.parametrize(
+    ("capability", "shape"),
+    [
+        ((8, 0), (192, 256)),
+        ((9, 0), (192, 256)),
+        ((8, 0), (4096, 1024)),
+        ((7, 5), (256, 256)),
+    ],
+)
+def test_a_plan_for_a_gpu_applies_the_rules_of_that_gpu(gpu, capability, shape):
+    """One source of truth: predicting for a GPU gives what fit start decides on that GPU."""
+    layer = nn.Linear(shape[1], shape[0])
+    predicted = cap.semi_structured_kernel(
+        layer.weight,
+        [("fc", layer, "weight")],
+        torch.bfloat16,
+        GpuTarget("x", capability),
+    )
+    gpu(capability)
+    assert predicted == kernel_for(layer, torch.bfloat16)
+
+
+def test_a_torch_without_the_2to4_ops_says_what_it_lacks(gpu, monkeypatch):
+    monkeypatch.delattr(torch, "_sparse_semi_structured_tile")
+    layer = nn.Linear(1024, 4096)
+    kernel, why = kernel_for(layer, torch.bfloat16)
+    assert kernel is None and "lacks torch._sparse_semi_structured_tile" in why
+    assert f"this torch ({torch.__version__})" in why
+
+
+@pytest.mark.parametrize(
+    ("name", "capability"),
+    [
+        ("H100", (9, 0)),
+        ("a100", (8, 0)),
+        ("L4", (8, 9)),
+        ("sm_90", (9, 0)),
+        ("8.6", (8, 6)),
+    ],
+)
+def test_gpu_names_and_capabilities(name, capability):
+    assert parse_gpu(name).capability == capability
+
+
+def test_an_unknown_gpu_lists_the_known_ones():
+    with pytest.raises(ValueError, match="neither a GPU this plan knows.*'b200'"):
+        parse_gpu("rtx9090")
