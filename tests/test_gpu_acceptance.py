@@ -1,0 +1,88 @@
+"""``benchmarks/gpu_acceptance.py --cpu-smoke``: every stage's plumbing runs on the CPU, as on a
+bare GPU machine (its subprocesses cannot import jsonargparse or hypothesis), into one report."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# Imported first in every subprocess (via PYTHONPATH): the wheels a bare GPU machine lacks are
+# found (so torch's find_spec probes see a spec without a file) but fail to import.
+BLOCKER = """
+import sys
+from importlib.machinery import ModuleSpec
+
+class Bare:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("jsonargparse", "hypothesis"):
+            return ModuleSpec(name, self)
+
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"{spec.name} is blocked: a bare GPU machine lacks it")
+
+sys.meta_path.insert(0, Bare())
+"""
+STAGES = ["environment", "gpu tests", "sparse_linear", "verify_speed", "training"]
+
+
+@pytest.fixture
+def acceptance(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "sitecustomize.py").write_text(BLOCKER)
+    monkeypatch.setenv("PYTHONPATH", str(blocked))
+    monkeypatch.setenv(
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"
+    )  # no hypothesis plugin there
+    return importlib.import_module("gpu_acceptance")
+
+
+def test_cpu_smoke_writes_a_report_of_every_stage(acceptance, tmp_path):
+    out = tmp_path / "report.md"
+    assert acceptance.main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "**All stages passed.**" in report
+    for i, stage in enumerate(STAGES, 1):
+        assert f"\n## {i}. {stage}: passed\n" in report, stage
+        assert f"| {stage} | passed |" in report, stage
+    # the GPU tests were collected (not run) without hypothesis, and each stage's table came back
+    assert "test_semi_structured_gpu.py" in report
+    assert "| smoke: 64x128 -> 256 | 2:4 emulated |" in report
+    assert "| odd shape | 100x100 |" in report
+    assert "| 2:4 runtime (MLPs) | 4 |" in report
+    assert "model.blocks.1.mlp.fc2.weight" in report
+
+
+def test_without_a_gpu_it_says_so_and_exits_0(acceptance, tmp_path, monkeypatch):
+    monkeypatch.setattr(acceptance.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "report.md"
+    assert acceptance.main(["--out", str(out)]) == 0
+    report = out.read_text()
+    assert "**Nothing measured: no CUDA GPU found" in report
+    for stage in STAGES[1:]:
+        assert f"| {stage} | skipped |" in report, stage
+
+
+def test_a_stage_runs_in_a_subprocess_of_the_script(acceptance):
+    args = acceptance.parse(["--cpu-smoke"])
+    stage = acceptance.child(args, 300, "verify_speed", isolate=True)
+    assert stage.status == "passed", stage.body
+    assert "| odd shape | 100x100 |" in stage.body
+
+
+def test_a_stage_that_overruns_its_share_is_cut(acceptance):
+    code, out = acceptance.run_command(
+        [
+            sys.executable,
+            "-c",
+            "import time; print('started', flush=True); time.sleep(60)",
+        ],
+        timeout=3,
+    )
+    assert code is None
+    assert out.strip() == "started"
