@@ -7,15 +7,39 @@ dense run (a second dense run shows the noise floor), the time spent inside this
 callback hooks per step (the callback's own work, timed on the real hooks), and extra
 live-tensor memory vs dense.
 
-A hard mask leaves AdamW's ``exp_avg_sq`` exactly zero on pruned weights, and torch's CPU
-``sqrt`` (AVX-512 build) is several times slower on zeros than on other values: the default
-(single-tensor) AdamW step itself gets slower, whoever masks the gradients (ModelPruning too).
-The script measures that effect directly and prints it under the table; ``--fused`` runs the
-whole comparison with ``AdamW(fused=True)``, whose CPU kernel does not slow down on zeros.
+Where a static-70% step's extra time over dense goes, measured per phase (forward, backward,
+hooks, ``optimizer.step``) by ``python benchmarks/step_phases.py`` (the variants step
+round-robin in one process, 1 thread, per-thread CPU time so that other processes' load barely
+counts; 30 paired steps at batch 64):
+
+- Forward and backward: the same as dense (within 1%, the noise of the medians). A static hard
+  mask installs no forward: pruned weights are stored as zeros and the unmodified
+  ``nn.Linear`` runs (``ModelPruning`` recomputes ``weight_orig * weight_mask`` at every forward
+  and backpropagates through it, about 1-2 ms).
+- The callback's hooks: about 2 ms at 1 thread (1 ms at 2), nearly all masking 2.65 M
+  gradients (one ``torch._foreach_mul_`` by the masks' ``uint8`` bytes).
+- The ``AdamW`` step: +11-17 ms at 1 thread (a 2.65 M-weight step: 8 -> 20 ms alone; 14 -> 28
+  ms in the model, where ``ModelPruning``'s is 31). Masked gradients leave ``exp_avg_sq``
+  exactly zero on pruned weights, and torch's CPU ``sqrt`` (which the default single-tensor
+  and ``foreach`` AdamW take of ``exp_avg_sq``) is 6-10x slower on zeros than on other
+  values (13 against 2 ms over 2.65 M values with 70% zeros; NumPy's is not); ``-0.0`` and
+  denormals are slower still, but ``exp_avg_sq`` holds only ``+0.0``. Whoever masks the
+  gradients pays it: ``ModelPruning`` does too. ``torch.set_flush_denormal(True)`` does not
+  change it; ``AdamW(fused=True)`` does (3.4 ms dense or masked; the default's results differ
+  from the fused ones in the last bits, so the callback cannot switch for the user).
+
+So the step pays about 1.3% at batch 64 (static 1.011x, ``ModelPruning`` 1.019x, a second dense
+run 0.989x in that paired run), and more at batch 4, where the optimizer step is a larger part.
+Differences beyond that between whole-step medians here are noise: on this shared 2-core
+machine a step's time varies by 20-40% from one step to the next whenever other jobs run, and
+two threads (the default) suffer most, since each parallel op waits for its slower thread; read
+the load average printed above the table. The lines printed under the table measure the
+optimizer's part directly (``AdamW`` alone, dense against masked gradients, alternating).
 
     python benchmarks/step_time.py                 # batch 64 and 4, about 4.5 minutes on 2 cores
     python benchmarks/step_time.py --fused         # the same with AdamW(fused=True)
     python benchmarks/step_time.py --batch-sizes 4 --repeats 2 --steps 20
+    python benchmarks/step_time.py --batch-sizes 64 --repeats 2 --steps 6 --warmup 2  # ~3 min idle
 """
 
 from __future__ import annotations
@@ -123,6 +147,32 @@ def adam_sqrt_on_zeros(numel: int, sparsity: float = 0.7) -> tuple[float, float]
             times.append(time.perf_counter() - start)
         result.append(median(times[3:]) * 1e3)
     return result[0], result[1]
+
+
+def adamw_step_on_zeros(
+    shapes: list[torch.Size], fused: bool, sparsity: float = 0.7
+) -> tuple[float, float]:
+    """Median ms of one ``AdamW`` step over weights of ``shapes``, with random gradients vs the
+    same gradients masked at ``sparsity`` (so ``exp_avg``/``exp_avg_sq`` hold exact zeros, as
+    under any hard mask); the two optimizers step alternately, on the benchmark's threads."""
+    torch.manual_seed(0)
+    keep = [torch.rand(s) >= sparsity for s in shapes]
+    runs = []
+    for _ in range(2):
+        params = [nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+        runs.append(
+            (params, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05, fused=fused))
+        )
+    times: list[list[float]] = [[], []]
+    for _ in range(20):
+        grads = [torch.randn(s) * 1e-3 for s in shapes]
+        for masked, (params, optimizer) in enumerate(runs):
+            for p, g, k in zip(params, grads, keep):
+                p.grad = g * k if masked else g.clone()
+            start = time.perf_counter()
+            optimizer.step()
+            times[masked].append(time.perf_counter() - start)
+    return median(times[0][3:]) * 1e3, median(times[1][3:]) * 1e3
 
 
 def block_linears(module: ViTModule) -> list[tuple[nn.Module, str]]:
@@ -265,9 +315,16 @@ def main() -> None:
             rows,
         )
     )
+    shapes = [m.weight.shape for m, _ in block_linears(ViTModule())]
+    dense_ms, masked_ms = adamw_step_on_zeros(shapes, args.fused)
+    print(
+        f"\n{optimizer} step over the {sparse_weights / 1e6:.2f} M sparse weights alone: "
+        f"{dense_ms:.2f} ms with dense gradients, {masked_ms:.2f} ms with 70% masked "
+        f"({masked_ms - dense_ms:+.2f} ms, paid by any hard mask: ModelPruning too)"
+    )
     dense_ms, zeros_ms = adam_sqrt_on_zeros(sparse_weights)
     print(
-        f"\ntorch.sqrt over {sparse_weights / 1e6:.2f} M float32 values (AdamW's exp_avg_sq): "
+        f"torch.sqrt over {sparse_weights / 1e6:.2f} M float32 values (AdamW's exp_avg_sq): "
         f"{dense_ms:.2f} ms random, {zeros_ms:.2f} ms with 70% zeros ({zeros_ms / dense_ms:.1f}x)"
     )
 
