@@ -73,6 +73,7 @@ from lightning_sparse.masks.elementwise import (
     multiply_by_mask_,
     runs_compiled,
 )
+from lightning_sparse.masks.patterns import not_a_mask
 
 STATE_VERSION = 1
 
@@ -517,19 +518,11 @@ class Sparsifier:
                     f"params/exclude"
                 )
             mask = saved[key]
-            if not (
-                isinstance(mask, Tensor)
-                and mask.dtype == torch.bool
-                and mask.layout == torch.strided
-            ):
-                what = (
-                    f"a {mask.dtype} {mask.layout} tensor"
-                    if isinstance(mask, Tensor)
-                    else f"a {type(mask).__name__}"
-                )
+            problem = not_a_mask(mask)
+            if problem is not None:
                 raise ValueError(
-                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} is {what}, "
-                    f"not a dense bool tensor; the checkpoint is damaged or was not written by "
+                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} is "
+                    f"{problem}; the checkpoint is damaged or was not written by "
                     f"SparsityCallback"
                 )
             if tuple(mask.shape) != tuple(t.param.shape):

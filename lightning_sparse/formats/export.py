@@ -32,6 +32,7 @@ from torch.torch_version import TorchVersion
 
 from lightning_sparse.engine.sharding import gather_full
 from lightning_sparse.engine.sparsifier import STATE_VERSION
+from lightning_sparse.masks.patterns import not_a_mask
 
 SAFE_LOAD_TORCH = (2, 10)
 """The first torch whose ``weights_only=True`` loader has no published way around it:
@@ -117,17 +118,9 @@ def _group_masks(state: Any, where: str) -> dict[str, Tensor]:
             f"'<param>_mask' bool tensors"
         )
     for name, mask in masks.items():
-        if not (
-            isinstance(mask, Tensor)
-            and mask.dtype == torch.bool
-            and mask.layout == torch.strided
-        ):
-            what = (
-                f"a {mask.dtype} {mask.layout} tensor"
-                if isinstance(mask, Tensor)
-                else f"a {type(mask).__name__}"
-            )
-            raise bad(f"mask {name!r} is {what}, not a dense bool tensor")
+        problem = not_a_mask(mask)
+        if problem is not None:
+            raise bad(f"mask {name!r} is {problem}")
     return dict(masks)
 
 

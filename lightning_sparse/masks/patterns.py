@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -79,3 +80,16 @@ def num_kept(numel: int, sparsity: float) -> int:
 def is_nm(mask: Tensor, target: NM) -> bool:
     """Whether at most ``n`` of every ``m`` along the input dimension are kept."""
     return bool((nm_groups(mask, target.m).sum(-1) <= target.n).all())
+
+
+def not_a_mask(value: object) -> str | None:
+    """Why ``value`` (read from a file) is not a mask, a dense bool tensor; ``None`` if it is.
+
+    >>> not_a_mask(torch.ones(2, dtype=torch.bool)), not_a_mask(torch.ones(2))
+    (None, 'a torch.float32 torch.strided tensor, not a dense bool tensor')
+    """
+    if not isinstance(value, Tensor):
+        return f"a {type(value).__name__}, not a dense bool tensor"
+    if value.dtype != torch.bool or value.layout != torch.strided:
+        return f"a {value.dtype} {value.layout} tensor, not a dense bool tensor"
+    return None
