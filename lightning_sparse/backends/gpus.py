@@ -8,7 +8,7 @@ the FLOP estimate; they are not measured speeds.
 
 Example:
     >>> gpu = parse_gpu("H100")
-    >>> gpu.name, gpu.capability, gpu.sparse_tflops / gpu.dense_tflops
+    >>> gpu.name, gpu.capability, round(gpu.sparse_tflops / gpu.dense_tflops, 1)
     ('H100 SXM', (9, 0), 2.0)
     >>> parse_gpu("sm80").capability, parse_gpu("8.6").name
     ((8, 0), 'sm86')
