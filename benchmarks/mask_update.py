@@ -7,7 +7,9 @@ The weights are the 124.3 M parameters of GPT-2 small's weight matrices: 12 bloc
 ``attn.c_attn`` 2304x768, ``attn.c_proj`` 768x768, ``mlp.c_fc`` 3072x768 and ``mlp.c_proj``
 768x3072 (84.9 M), plus ``wte`` 50257x768 and ``wpe`` 1024x768. All 50 are sparsified, so the
 mask update and the AdamW step (torch's default AdamW, state already allocated) touch the same
-tensors. Everything runs in this process, interleaved, with the same number of threads.
+tensors. Everything runs in this process, interleaved, with the same number of threads, and
+every figure is the CPU time of the process (all its threads): on a busy machine other jobs
+barely count, where wall time can triple.
 
 For each algorithm, ``Sparsifier.before_optimizer_step`` is timed at ``--updates`` update steps
 (default 4) and as many plain steps, each followed by an optimizer step (timed apart), with
@@ -19,13 +21,13 @@ once per process; buffers touched for the first time), about 0.1 s, which the me
 leave out as the outlier they are (``--updates 1`` shows them). "Mask update" is the difference
 of the medians; "update / AdamW step" is the median, over the repeats, of each run's update
 cost divided by the AdamW step timed just before that run (with the lowest and highest in
-brackets: this machine's memory speed drifts by up to 30% between minutes, and pairing each run
-with its own AdamW step cancels most of it). That step, and every algorithm, starts from the
+brackets: memory speed drifts between minutes, and pairing each run with its own AdamW step
+cancels most of it). That step, and every algorithm, starts from the
 same dense weights and AdamW state (the first step from that state runs cold, about 3x slower,
 once: it is not timed). "Phase start" is choosing the first masks when the phase begins; "AdamW
 step in the phase" is the optimizer step after each timed step (the masked gradients leave
 exact zeros in AdamW's ``exp_avg_sq``, and torch's default CPU AdamW computes ``sqrt`` of zeros
-slowly on AVX-512).
+slowly).
 
     python benchmarks/mask_update.py                  # ~15 minutes, ~6 GB, 1 thread
     python benchmarks/mask_update.py --threads 2 --repeats 1 --algorithms "set 90%" "rigl 2:4"
@@ -92,9 +94,11 @@ class GPT2SmallWeights(nn.Module):
 
 
 def seconds(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+    """The CPU time of this process (all its threads) that ``fn()`` takes: unlike wall time, it
+    barely counts other jobs on a busy machine, and every figure here is a CPU-bound pass."""
+    start = time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 """Optional compiled CPU loops for mask updates: ``pip install "lightning-sparse[cpu]"``.
 
 The torch operations in :mod:`lightning_sparse.masks` define every result. On plain,
-contiguous float32/float64 CPU tensors, a few of them have a faster twin here: loops compiled by
-Numba (:mod:`~lightning_sparse.kernels.loops`) that make one pass where torch makes several, and
-give the same bits. This module is the one place that decides whether a twin runs
+contiguous float32/float64 CPU tensors (and their bool masks), a few of them have a faster twin
+here, with the same bits: loops compiled by Numba (:mod:`~lightning_sparse.kernels.loops`) that
+make one pass where torch makes several, and the NumPy calls Numba comes with for counting,
+listing, scattering and partitioning, which run several times faster than torch's CPU kernels
+for them. This module is the one place that decides whether a twin runs
 (:func:`accepts`), and it imports Numba only then, on the first mask update that can use it.
 Without Numba, or inside ``with compiled(False):``, the torch operations run.
 
@@ -79,6 +81,34 @@ def _array(tensor: Tensor, as_bytes: bool = False):
     """A flat NumPy view of ``tensor``'s memory (bool as ``uint8`` with ``as_bytes``)."""
     array = tensor.detach().reshape(-1).numpy()
     return array.view("uint8") if as_bytes else array
+
+
+def count_true(mask: Tensor) -> int:
+    """How many entries of the bool ``mask`` are set."""
+    return int(np.count_nonzero(_array(mask)))
+
+
+def flat_nonzero(mask: Tensor) -> Tensor:
+    """Ascending flat indices (int64) of the set entries of the bool ``mask``."""
+    return torch.from_numpy(np.flatnonzero(_array(mask)))
+
+
+def set_at_(target: Tensor, index: Tensor, values: Tensor | bool) -> None:
+    """``target.view(-1)[index] = values`` (valid int64 ``index``, on the CPU)."""
+    flat = _array(target)
+    flat[index.numpy()] = values if isinstance(values, bool) else _array(values)
+
+
+def first_k(values: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
+    """:func:`lightning_sparse.masks.top_k` 's choice of the ``k`` first of ``values``:
+    ``(strict, ties)``, those beyond the ``k``-th value and the positions of the equal ones
+    that complete the ``k``."""
+    x = _array(values)
+    position = len(x) - k if largest else k - 1  # of the k-th, in ascending order
+    kth = np.partition(x, position)[position]
+    strict = x > kth if largest else x < kth
+    ties = np.flatnonzero(x == kth)[: k - int(np.count_nonzero(strict))]
+    return torch.from_numpy(strict), torch.from_numpy(ties)
 
 
 def multiply_(values: Tensor, mask: Tensor) -> None:

@@ -27,6 +27,8 @@ _SCRATCH: dict[tuple[torch.device, int, int], Tensor] = {}  # (device, slot, thr
 
 def flat_nonzero(mask: Tensor) -> Tensor:
     """Ascending flat indices (int64) of the ``True`` entries of ``mask``."""
+    if kernels.accepts(mask):
+        return kernels.flat_nonzero(mask)
     return mask.reshape(-1).nonzero().squeeze(1)
 
 
@@ -36,7 +38,24 @@ def count_true(mask: Tensor) -> int:
     >>> count_true(torch.tensor([[True, False], [True, True]]))
     3
     """
+    if kernels.accepts(mask):
+        return kernels.count_true(mask)
     return int(torch.count_nonzero(mask))
+
+
+def set_at_(target: Tensor, index: Tensor, values: Tensor | bool) -> None:
+    """``target.view(-1)[index] = values`` for a contiguous ``target``.
+
+    >>> chosen = torch.zeros(4, dtype=torch.bool)
+    >>> set_at_(chosen, torch.tensor([1, 3]), True)
+    >>> chosen.tolist()
+    [False, True, False, True]
+    """
+    with_values = () if isinstance(values, bool) else (values,)
+    if kernels.accepts(target, *with_values):
+        kernels.set_at_(target, index, values)
+    else:
+        target.view(-1)[index] = values
 
 
 def pick_output(

@@ -32,7 +32,12 @@ import torch
 from torch import Tensor
 
 from lightning_sparse import kernels
-from lightning_sparse.masks.elementwise import count_true, flat_nonzero, pick_output
+from lightning_sparse.masks.elementwise import (
+    count_true,
+    flat_nonzero,
+    pick_output,
+    set_at_,
+)
 
 SAMPLED = (1 << 14, 1 << 18)
 """How many entries (eligible or not) the strided sample that places the thresholds visits:
@@ -168,11 +173,15 @@ def _bracketed(c: _Choice, chosen: Tensor) -> bool:
     if not 0 <= missing <= len(index):
         return False
     if missing == 0 or inner is not None and inner == outer:
-        chosen[index[:missing]] = True  # (a band of equal values: the first ones)
+        set_at_(
+            chosen, index[:missing], True
+        )  # (a band of equal values: the first ones)
         return True
     strict, ties = _first_k(values, missing, c.largest)
-    chosen[index] = strict  # band entries beyond the k-th value; the others stay unset
-    chosen[index[ties]] = True
+    set_at_(
+        chosen, index, strict
+    )  # band entries beyond the k-th value; the others unset
+    set_at_(chosen, index[ties], True)
     return True
 
 
@@ -215,6 +224,8 @@ def _first_k(values: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
     """Which ``k`` of ``values`` come first, the largest (or smallest), ties to the earlier
     entries: ``(strict, ties)``, a bool tensor of those beyond the ``k``-th value and the
     positions of the equal ones that complete the ``k``."""
+    if kernels.accepts(values):
+        return kernels.first_k(values, k, largest)
     position = len(values) - k if largest else k - 1  # of the k-th, in ascending order
     kth = values.kthvalue(position + 1).values
     strict = values > kth if largest else values < kth
