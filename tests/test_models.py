@@ -12,11 +12,12 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fast_trainer
+from helpers import StopAt, fast_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_sparse import SparsityCallback
+from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
 from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, layer_type
@@ -401,3 +402,108 @@ def test_timm_vit_runtime_2to4_selects_the_block_linears_and_trains():
     fc1 = vit.blocks[1].mlp.fc1
     rows = effective_rows(fc1)
     assert math.isclose(float((rows == 0).float().mean()), 0.5, abs_tol=0.03)
+
+
+GPT2_PHASES = [
+    {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 2, "until": 3},
+    {"sparsity": 0.7, "algorithm": "gmp", "update_every": 1, "until": 6},
+    {"sparsity": 0.0},
+]
+
+
+def gpt2_run(tmp_path, stop_at=None, ckpt_path=None, seed=0):
+    L.seed_everything(seed, verbose=False)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=64,
+        n_head=2,
+        vocab_size=256,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    module = LMModule(transformers.GPT2LMHeadModel(config))
+    callbacks: list[L.Callback] = [SparsityCallback(phases=GPT2_PHASES, verbose=False)]
+    if stop_at:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=tmp_path, every_n_train_steps=stop_at, filename="{step}"
+            )
+        )
+        callbacks.append(StopAt(stop_at))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(
+        TensorDataset(ids.repeat(4, 1)), batch_size=2
+    )  # identical batches
+    trainer = fast_trainer(
+        max_steps=7,
+        deterministic=True,
+        callbacks=callbacks,
+        enable_checkpointing=bool(stop_at),
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return module
+
+
+@pytest.mark.parametrize(
+    "resume_step", [2, 5]
+)  # in the magnitude 2:4 and the gmp phase
+def test_gpt2_resume_is_bitwise_and_the_export_loads_strictly(tmp_path, resume_step):
+    reference = gpt2_run(tmp_path / "ref")
+    gpt2_run(tmp_path / "ck", stop_at=resume_step)
+    ckpt = tmp_path / "ck" / f"step={resume_step}.ckpt"
+    resumed = gpt2_run(tmp_path / "resumed", ckpt_path=ckpt, seed=1)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    exported = export_state_dict(ckpt)
+    fresh = LMModule(tiny_gpt2().__class__(reference.model.config))
+    fresh.load_state_dict(exported, strict=True)
+    rows = effective_rows(fresh.model.transformer.h[0].mlp.c_fc)
+    kept = (rows != 0).reshape(rows.shape[0], -1, 4).sum(-1)
+    if resume_step == 2:  # the magnitude phase's 2:4 folded in, along the inputs
+        assert bool((kept == 2).all())
+    else:
+        assert float((rows == 0).float().mean()) > 0.5
+
+
+def test_torchvision_vit_attention_is_sparse_with_hard_masks_and_refused_straight_through():
+    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
+    vit = vision_transformer.VisionTransformer(
+        image_size=16,
+        patch_size=8,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=4,
+    )
+    sel = select_parameters(vit, exclude=["conv_proj.weight"])
+    assert sel.excluded["heads.head.weight"] == "output head"
+    out_proj = "encoder.layers.encoder_layer_0.self_attention.out_proj.weight"
+    assert out_proj in [t.name for t in sel.targets]
+    phases = resolve_phases([Phase(sparsity="2:4")], total_steps=10)
+    with pytest.raises(ValueError, match=rf"'{out_proj}' .* never calls out_proj"):
+        Sparsifier("t", sel.targets, phases)
+    phases = resolve_phases([Phase(sparsity="2:4", algorithm="static")], total_steps=10)
+    sp = Sparsifier("t", sel.targets, phases)
+    sp.on_step_start(0, [])
+    attn = vit.encoder.layers[0].self_attention
+    w = attn.out_proj.weight  # what F.multi_head_attention_forward reads: stored zeros
+    assert bool(((w != 0).reshape(32, -1, 4).sum(-1) == 2).all())
+    assert vit(torch.randn(2, 3, 16, 16)).shape == (2, 4)
+
+
+def test_torchvision_resnet_head_by_name_and_nm_along_input_channels():
+    models = pytest.importorskip("torchvision.models")
+    resnet = models.resnet18(num_classes=4)
+    phases = resolve_phases([Phase(sparsity="2:4", algorithm="static")], total_steps=10)
+    with pytest.raises(
+        ValueError, match=r"3 input channels.*exclude=\['re:\^conv1\\\\.weight\$'\]"
+    ):
+        Sparsifier("t", select_parameters(resnet).targets, phases)
+    sel = select_parameters(resnet, exclude=["re:^conv1\\.weight$"])
+    assert sel.excluded["fc.weight"] == "output head"
+    Sparsifier("t", sel.targets, phases, backend="masked").on_step_start(0, [])
+    rows = effective_rows(resnet.layer1[0].conv1)  # (64, 3, 3, 64)
+    assert bool(((rows != 0).reshape(64, -1, 4).sum(-1) == 2).all())

@@ -26,6 +26,7 @@ Example (plain PyTorch):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -178,7 +179,8 @@ class Sparsifier:
                 if reason is not None:
                     raise ValueError(
                         f"{where}: sparsity '{phase.target}' is impossible for parameter {t.name!r}: "
-                        f"{reason}; exclude it (exclude=[{t.name!r}]) or use a float sparsity"
+                        f"{reason}; exclude it (exclude=[{self._pattern(t)!r}]) or use a float "
+                        f"sparsity"
                     )
             if algorithm.straight_through:
                 for module_name, module, attr in t.owners:
@@ -192,8 +194,15 @@ class Sparsifier:
                             f"{where}: algorithm {algorithm.name!r} masks the forward of each "
                             f"layer, but parameter {t.name!r} ({module_name or 'model'}) cannot: "
                             f"{reason}; use a hard-mask algorithm ({_hard_mask_for(phase)}) "
-                            f"or exclude it (exclude=[{t.name!r}])"
+                            f"or exclude it (exclude=[{self._pattern(t)!r}])"
                         )
+
+    def _pattern(self, t: ParamTarget) -> str:
+        """A pattern that names ``t`` alone among the group (a glob matches dotted suffixes:
+        ``conv1.weight`` would also take ``layer1.0.conv1.weight``)."""
+        if any(o.name.endswith("." + t.name) for o in self.targets):
+            return f"re:^{re.escape(t.name)}$"
+        return t.name
 
     # -- phases ---------------------------------------------------------------------------------
     @property
