@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.algorithms import RunLength
+from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
 from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, layer_type
 from lightning_sparse.core.schedule import Phase, resolve_phases
@@ -507,3 +508,16 @@ def test_torchvision_resnet_head_by_name_and_nm_along_input_channels():
     Sparsifier("t", sel.targets, phases, backend="masked").on_step_start(0, [])
     rows = effective_rows(resnet.layer1[0].conv1)  # (64, 3, 3, 64)
     assert bool(((rows != 0).reshape(64, -1, 4).sum(-1) == 2).all())
+
+
+def test_attention_out_proj_never_gets_a_kernel_forward_it_would_not_run():
+    layer = nn.TransformerEncoderLayer(128, 2, 256, batch_first=True)
+    phases = resolve_phases([Phase(sparsity="2:4", algorithm="static")], total_steps=10)
+    targets = select_parameters(layer).targets
+    sp = Sparsifier(
+        "t", targets, phases, compute_dtype=torch.bfloat16, gpu=parse_gpu("H100")
+    )
+    choices = {name: choice for (_, name), choice in sp.backends.items()}
+    assert choices["linear1.weight"].name == "semi_structured"
+    assert choices["self_attn.out_proj.weight"].name == "masked"
+    assert "never calls out_proj" in choices["self_attn.out_proj.weight"].reason

@@ -144,7 +144,7 @@ class Sparsifier:
             if phase.index in self.algorithms:
                 self._check_phase(phase, self.algorithms[phase.index])
                 for t in self.targets:
-                    self.backends[phase.index, t.name] = choose_backend(
+                    choice = choose_backend(
                         backend,
                         phase.target,
                         t.param,
@@ -153,6 +153,10 @@ class Sparsifier:
                         speedup,
                         gpu,
                     )
+                    if choice.name == "semi_structured" and t.readers:
+                        # a kernel forward would never run; the stored zeros are read
+                        choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
+                    self.backends[phase.index, t.name] = choice
         if backend == "semi_structured":
             require_semi_structured(
                 [
