@@ -21,6 +21,7 @@ from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
+from lightning_sparse.cli.flops import linear_flops_per_token
 from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, layer_type
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
@@ -521,3 +522,12 @@ def test_attention_out_proj_never_gets_a_kernel_forward_it_would_not_run():
     assert choices["linear1.weight"].name == "semi_structured"
     assert choices["self_attn.out_proj.weight"].name == "masked"
     assert "never calls out_proj" in choices["self_attn.out_proj.weight"].reason
+
+
+def test_plan_flops_count_the_conv1d_matmuls():
+    flops = linear_flops_per_token(tiny_gpt2())
+    assert flops["transformer.h.0.mlp.c_fc.weight"] == 2 * 64 * 256
+    assert flops["transformer.h.1.attn.c_attn.weight"] == 2 * 64 * 192
+    assert (
+        flops["transformer.wte.weight"] == 2 * 64 * 256
+    )  # lm_head, tied: counted once
