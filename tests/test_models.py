@@ -266,14 +266,54 @@ def sequences() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(8, 4, 32)), batch_size=2)
 
 
-def test_multihead_attention_out_proj_is_refused_for_straight_through():
-    cb = SparsityCallback(sparsity="2:4", verbose=False)
+def attention_reference(attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """Self-attention computed by hand from the weights the forward should see."""
+    in_w, out_w = attn.in_proj_weight, attn.out_proj.weight  # sparse reads
+    q, k, v = F.linear(x, in_w, attn.in_proj_bias).chunk(3, -1)
+    b, t, e = x.shape
+    heads = [y.view(b, t, attn.num_heads, -1).transpose(1, 2) for y in (q, k, v)]
+    mixed = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(b, t, e)
+    return F.linear(mixed, out_w, attn.out_proj.bias)
+
+
+@pytest.mark.parametrize("algorithm", ["runtime", "magnitude"])
+def test_multihead_attention_is_sparse_in_every_forward_straight_through(algorithm):
+    model = Encoder()
+    attn = model.layer.self_attn
+    in_w, out_w = attn.in_proj_weight, attn.out_proj.weight
+    cb = SparsityCallback(
+        phases=[{"sparsity": "2:4", "algorithm": algorithm}],
+        params=["*.in_proj_weight", "*.out_proj.weight", "*.linear1.weight"],
+        verbose=False,
+    )
+    fast_trainer(max_steps=2, callbacks=[cb]).fit(model, sequences())
+    # the model's Parameters, names and state_dict are unchanged; reads are sparse
+    assert dict(model.named_parameters())["layer.self_attn.in_proj_weight"] is in_w
+    assert model.state_dict()["layer.self_attn.out_proj.weight"] is not None
+    assert attn._parameters["in_proj_weight"] is in_w
+    assert attn.out_proj._parameters["weight"] is out_w
+    for w in (attn.in_proj_weight, attn.out_proj.weight):  # what MHA reads
+        assert float((w == 0).float().mean()) >= 0.49
+        assert bool(((w != 0).reshape(w.shape[0], -1, 4).sum(-1) <= 2).all())
+    assert float((in_w == 0).float().mean()) < 0.01  # stored dense (straight-through)
+    x = torch.randn(2, 4, 32)
+    with torch.no_grad():
+        reference = attention_reference(attn, x)
+        torch.testing.assert_close(attn(x, x, x, need_weights=False)[0], reference)
+        model.eval()  # the fused inference path of nn.MultiheadAttention
+        torch.testing.assert_close(attn(x, x, x, need_weights=False)[0], reference)
+
+
+def test_separate_qkv_weights_are_refused_for_straight_through():
+    attn = nn.MultiheadAttention(32, 2, kdim=16, vdim=16, batch_first=True)
+    phases = resolve_phases([Phase(sparsity="2:4")], total_steps=10)
+    targets = select_parameters(attn, params=["k_proj_weight"]).targets
     with pytest.raises(
         ValueError,
-        match=r"'layer.self_attn.out_proj.weight' .* hands out_proj.weight to "
-        r"F.multi_head_attention_forward .* use a hard-mask algorithm \('static'\) or exclude",
+        match=r"'k_proj_weight' .* hands k_proj_weight to F.multi_head_attention_forward "
+        r".* use a hard-mask algorithm \('static'\) or exclude",
     ):
-        fast_trainer(max_steps=2, callbacks=[cb]).fit(Encoder(), sequences())
+        Sparsifier("t", targets, phases)
 
 
 def test_multihead_attention_with_hard_masks_computes_sparse():
@@ -469,7 +509,7 @@ def test_gpt2_resume_is_bitwise_and_the_export_loads_strictly(tmp_path, resume_s
         assert float((rows == 0).float().mean()) > 0.5
 
 
-def test_torchvision_vit_attention_is_sparse_with_hard_masks_and_refused_straight_through():
+def test_torchvision_vit_attention_is_sparse_with_hard_masks():
     vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
     vit = vision_transformer.VisionTransformer(
         image_size=16,
@@ -484,9 +524,6 @@ def test_torchvision_vit_attention_is_sparse_with_hard_masks_and_refused_straigh
     assert sel.excluded["heads.head.weight"] == "output head"
     out_proj = "encoder.layers.encoder_layer_0.self_attention.out_proj.weight"
     assert out_proj in [t.name for t in sel.targets]
-    phases = resolve_phases([Phase(sparsity="2:4")], total_steps=10)
-    with pytest.raises(ValueError, match=rf"'{out_proj}' .* never calls out_proj"):
-        Sparsifier("t", sel.targets, phases)
     phases = resolve_phases([Phase(sparsity="2:4", algorithm="static")], total_steps=10)
     sp = Sparsifier("t", sel.targets, phases)
     sp.on_step_start(0, [])
@@ -531,3 +568,43 @@ def test_plan_flops_count_the_conv1d_matmuls():
     assert (
         flops["transformer.wte.weight"] == 2 * 64 * 256
     )  # lm_head, tied: counted once
+
+
+def test_hf_bert_and_vit_encoders_default_selection():
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+    )
+    sel = select_parameters(bert)
+    assert (
+        sel.excluded["bert.embeddings.word_embeddings.weight"] == "tied to an embedding"
+    )
+    names = [t.name for t in sel.targets]
+    assert "bert.encoder.layer.0.intermediate.dense.weight" in names
+    assert "bert.encoder.layer.0.attention.output.dense.weight" in names
+    vit = transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            image_size=16,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=3,
+        )
+    )
+    sel = select_parameters(vit)
+    assert sel.excluded["classifier.weight"] == "output head"
+    assert (
+        sel.excluded["vit.embeddings.patch_embeddings.projection.weight"] == "embedding"
+    )
+    sp = run_phase(vit, "2:4", algorithm="static")
+    for t in sp.targets:
+        rows = effective_rows(t.module)
+        assert bool(((rows != 0).reshape(rows.shape[0], -1, 4).sum(-1) == 2).all())

@@ -5,7 +5,9 @@ module already computes the sparse function. Straight-through phases swap the la
 subclass whose ``forward`` uses ``weight * mask`` (the mask is either stored on the module or
 projected from the weight at every forward). The swap keeps the same module object and the same
 Parameter objects, so optimizers, EMA copies and ``state_dict`` keys see no change; swapping back
-restores the original class.
+restores the original class. A weight that other code reads directly (``nn.MultiheadAttention``'s
+``in_proj_weight`` and ``out_proj.weight``) gets, the same way, a class whose attribute of that
+name returns the masked weight (:func:`install_sparse_attribute`).
 
 Example:
     >>> import torch
@@ -201,12 +203,52 @@ def _ran(module: nn.Module, args: object) -> None:
     module._ls_ran = True
 
 
+def install_sparse_attribute(
+    module: nn.Module,
+    attr: str,
+    mask: Tensor | None = None,
+    project: Callable[[Tensor], Tensor] | None = None,
+) -> None:
+    """Make every read of ``module.<attr>`` return ``weight * mask`` (or ``weight *
+    project(weight)``), straight-through, for a weight that other code reads directly instead
+    of calling ``module`` (``nn.MultiheadAttention`` hands ``in_proj_weight`` and
+    ``out_proj.weight`` to ``F.multi_head_attention_forward``).
+
+    Like :func:`swap_forward`, only the class changes (to a subclass with a property named
+    ``attr``): the Parameter stays in ``module._parameters``, so ``state_dict`` keys,
+    ``parameters()`` and optimizers see no change.
+    """
+    original = original_class(module)
+    key = (original, attr)
+    if key not in _SWAPPED:
+        _SWAPPED[key] = type(
+            f"Sparse{original.__name__}", (original,), {attr: property(_sparse_read)}
+        )
+    module.__class__ = _SWAPPED[key]
+    module._ls_original_class = original
+    module._ls_attr = attr
+    module._ls_mask = mask
+    module._ls_project = project
+    module._ls_ran = False
+
+
+def _sparse_read(module: nn.Module) -> Tensor:
+    weight = module._parameters[module._ls_attr]
+    module._ls_ran = True  # the engine's check that the sparse weight is read
+    mask = (
+        project_eagerly(module._ls_project, weight)
+        if module._ls_project is not None
+        else module._ls_mask
+    )
+    return straight_through_mask(weight, mask)
+
+
 def original_class(module: nn.Module) -> type[nn.Module]:
     """The class ``module`` had before any sparse forward was installed."""
     return module.__dict__.get("_ls_original_class", type(module))
 
 
-_SWAPPED: dict[tuple[type, type], type] = {}
+_SWAPPED: dict[tuple[type, object], type] = {}
 
 
 def _swapped_class(

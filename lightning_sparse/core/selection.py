@@ -45,6 +45,9 @@ class ParamTarget:
     owners: list[tuple[str, nn.Module, str]]  # (module name, module, attribute name)
     #: modules that read the parameter outside its owner's forward, and how
     readers: list[str] = field(default_factory=list)
+    #: the readers read it as an attribute of its owner (``module.attr``), which a
+    #: straight-through phase can make sparse (see ``backends.masked.install_sparse_attribute``)
+    sparse_reads: bool = False
 
     @property
     def module(self) -> nn.Module:
@@ -197,6 +200,18 @@ def _readers(
     return found
 
 
+def _read_as_attribute(owners: list[tuple[str, nn.Module, str]]) -> bool:
+    """Whether ``nn.MultiheadAttention`` reads the parameter as ``self.in_proj_weight`` or
+    ``self.out_proj.weight`` (one attribute of one module), not as one of separate q/k/v
+    weights of the same module."""
+    if len(owners) != 1:
+        return False
+    _, module, attr = owners[0]
+    if isinstance(module, nn.MultiheadAttention):
+        return attr == "in_proj_weight"
+    return attr == "weight"
+
+
 def read_elsewhere(readers: Sequence[str]) -> str | None:
     """Why a straight-through forward cannot make a parameter with ``readers`` sparse."""
     if not readers:
@@ -256,9 +271,9 @@ def select_parameters(
             reason = _default_exclusion(name, owners[id(param)], heads)
         if reason is None:
             holders = owners[id(param)]
-            targets.append(
-                ParamTarget(name, param, holders, _readers(modules, holders))
-            )
+            readers = _readers(modules, holders)
+            attribute = bool(readers) and _read_as_attribute(holders)
+            targets.append(ParamTarget(name, param, holders, readers, attribute))
         else:
             excluded[name] = reason
 

@@ -50,6 +50,7 @@ from lightning_sparse.backends import (
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import (
     install_masked_forward,
+    install_sparse_attribute,
     straight_through_unsupported,
     uninstall_forward,
 )
@@ -188,6 +189,8 @@ class Sparsifier:
                     )
             if algorithm.straight_through:
                 for module_name, module, attr in t.owners:
+                    if t.sparse_reads:  # every read of module.attr will be sparse
+                        continue
                     reason = read_elsewhere(t.readers) or straight_through_unsupported(
                         module, attr
                     )
@@ -333,6 +336,15 @@ class Sparsifier:
                 return
             except NotTransposableError:
                 self._run_masked_instead(t, algo, key)
+        if t.sparse_reads:  # read as module.attr by another module's code
+            if algo.straight_through:
+                install_sparse_attribute(
+                    t.module,
+                    t.owners[0][2],
+                    mask=None if algo.projects else mask,
+                    project=_projection(t, algo) if algo.projects else None,
+                )
+            return
         if algo.projects:
             install_masked_forward(t.module, project=_projection(t, algo))
         elif algo.straight_through:
