@@ -21,6 +21,7 @@ from lightning_sparse.core.schedule import Phase, resolve_phases, validate_phase
 from lightning_sparse.core.selection import (
     Selection,
     compile_patterns,
+    empty_selection_message,
     select_parameters,
 )
 from lightning_sparse.engine.report import plan_table, summary
@@ -37,7 +38,8 @@ class SparsityCallback(Callback):
             ``[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}]``. Give ``sparsity`` or
             ``phases``, not both.
         params: glob patterns (or ``re:`` regexes) of parameter names to sparsify. Default: every
-            Linear/Conv weight except embeddings, norms, the output head and tied weights.
+            Linear, Conv1D (Hugging Face) or ConvNd weight except embeddings, norms, the
+            output head and tied weights.
         exclude: patterns of parameters to leave dense.
         backend: ``"auto"`` (the fastest the hardware allows, per layer), ``"masked"`` (dense
             math on masked weights, any device) or ``"semi_structured"`` (2:4 sparse tensor
@@ -200,6 +202,10 @@ class SparsityCallback(Callback):
         selection = select_parameters(pl_module, self.params, self.exclude)
         check_disjoint(self.name, selection, others)
         resolved = resolve_phases(self.phases, run.total_steps, run.steps_per_epoch)
+        if not selection.targets and any(not p.spec.is_dense for p in resolved):
+            raise ValueError(
+                empty_selection_message(selection, self.name, type(pl_module).__name__)
+            )
         sparsifier = Sparsifier(
             self.name,
             selection.targets,

@@ -98,7 +98,10 @@ def test_reasons_for_ineligible_layers(gpu):
         "Custom overrides forward(), so a sparse forward would bypass it",
     )
     conv = nn.Conv2d(256, 256, 1)
-    assert kernel_for(conv, torch.bfloat16) == (None, "Conv2d is not a Linear layer")
+    assert kernel_for(conv, torch.bfloat16) == (
+        None,
+        "Conv2d is not a Linear or Conv1D layer",
+    )
     a, b = nn.Linear(256, 256), nn.Linear(256, 256)
     b.weight = a.weight
     assert cap.semi_structured_kernel(

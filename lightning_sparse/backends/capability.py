@@ -4,7 +4,8 @@
 ``True`` on a machine without a GPU. So every rule here looks at the parameter's own device:
 
 - a CUDA device (not ROCm) of compute capability 8.0 (Ampere) or newer;
-- a plain ``nn.Linear`` weight (2-D, not shared by several modules, not a sharded DTensor);
+- a plain ``nn.Linear`` or Hugging Face ``Conv1D`` weight (2-D, not shared by several modules,
+  not a sharded DTensor);
 - a float16 or bfloat16 matmul: the weight's dtype, or the autocast dtype of
   ``precision="16-mixed"`` / ``"bf16-mixed"``; without autocast the bias has the weight's dtype;
 - a shape the kernels take. ``torch._sparse_semi_structured_tile`` (the runtime 2:4 projection
@@ -31,13 +32,15 @@ from torch import Tensor, nn
 
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import forward_unsupported
+from lightning_sparse.core.layers import CONV1D, LINEAR
 
 AMPERE = (8, 0)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 CUSPARSELT_MULTIPLE = 128  # both dimensions, for the tile op's cuSPARSELt metadata
 CUTLASS_MULTIPLE = 64  # both dimensions: W is 32x64-aligned, and so is W.T
 _AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-_LINEAR_ONLY = {nn.Linear: nn.Linear}
+# the matmul layers (forward_unsupported only asks whether a layer type is listed)
+_MATMUL_LAYERS = {LINEAR: {None: nn.Module}, CONV1D: {None: nn.Module}}
 
 
 def autocast_dtype(precision: str | None) -> torch.dtype | None:
@@ -112,7 +115,7 @@ def semi_structured_kernel(
     if len(owners) != 1:
         return None, "shared by several modules (tied weights)"
     _, module, attr = owners[0]
-    reason = forward_unsupported(module, attr, _LINEAR_ONLY)
+    reason = forward_unsupported(module, attr, _MATMUL_LAYERS)
     if reason is not None:
         return None, reason
     if type(weight.data) is not torch.Tensor:

@@ -5,7 +5,9 @@ module already computes the sparse function. Straight-through phases swap the la
 subclass whose ``forward`` uses ``weight * mask`` (the mask is either stored on the module or
 projected from the weight at every forward). The swap keeps the same module object and the same
 Parameter objects, so optimizers, EMA copies and ``state_dict`` keys see no change; swapping back
-restores the original class.
+restores the original class. A weight that other code reads directly (``nn.MultiheadAttention``'s
+``in_proj_weight`` and ``out_proj.weight``) gets, the same way, a class whose attribute of that
+name returns the masked weight (:func:`install_sparse_attribute`).
 
 Example:
     >>> import torch
@@ -23,10 +25,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, LayerType
 
 
 class _StraightThroughMask(torch.autograd.Function):
@@ -49,11 +53,12 @@ def straight_through_mask(weight: Tensor, mask: Tensor) -> Tensor:
 
 
 class SparseForwardMixin:
-    """Adds the masked effective weight to a Linear/Conv subclass."""
+    """Adds the masked effective weight to a layer subclass."""
 
     _ls_mask: Tensor | None
     _ls_project: Callable[[Tensor], Tensor] | None
     _ls_original_class: type[nn.Module]
+    _ls_layer: ClassVar[LayerType]
 
     def sparse_weight(self) -> Tensor:
         weight = self.weight  # type: ignore[attr-defined]
@@ -76,33 +81,43 @@ def project_eagerly(project: Callable[[Tensor], Tensor], weight: Tensor) -> Tens
     return project(weight.detach())
 
 
-class MaskedLinear(SparseForwardMixin, nn.Linear):
+class MaskedForward(SparseForwardMixin):
+    """The layer type's own computation, with the masked weight."""
+
     def forward(self, input: Tensor) -> Tensor:
-        return F.linear(input, self.sparse_weight(), self.bias)
+        return self._ls_layer.compute(self, input, self.sparse_weight())
 
 
-class _MaskedConv(SparseForwardMixin):
-    def forward(self, input: Tensor) -> Tensor:
-        return self._conv_forward(input, self.sparse_weight(), self.bias)  # type: ignore[attr-defined]
+class MaskedLinear(MaskedForward, nn.Linear):
+    _ls_layer = LINEAR
 
 
-class MaskedConv1d(_MaskedConv, nn.Conv1d):
-    pass
+class MaskedConv1d(MaskedForward, nn.Conv1d):
+    _ls_layer = CONV
 
 
-class MaskedConv2d(_MaskedConv, nn.Conv2d):
-    pass
+class MaskedConv2d(MaskedForward, nn.Conv2d):
+    _ls_layer = CONV
 
 
-class MaskedConv3d(_MaskedConv, nn.Conv3d):
-    pass
+class MaskedConv3d(MaskedForward, nn.Conv3d):
+    _ls_layer = CONV
 
 
-_MASKED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Linear: MaskedLinear,
-    nn.Conv1d: MaskedConv1d,
-    nn.Conv2d: MaskedConv2d,
-    nn.Conv3d: MaskedConv3d,
+class MaskedConv1D(MaskedForward):
+    """Hugging Face's ``Conv1D`` (combined with its class at the swap, see :func:`swap_forward`)."""
+
+    _ls_layer = CONV1D
+
+
+SparseClasses = Mapping[LayerType, Mapping[type[nn.Module] | None, type[nn.Module]]]
+"""Per layer type, the sparse class for each base class (``None``: for any base class, a
+mixin combined with the module's class at the swap)."""
+
+_MASKED_CLASSES: SparseClasses = {
+    LINEAR: {nn.Linear: MaskedLinear},
+    CONV: {nn.Conv1d: MaskedConv1d, nn.Conv2d: MaskedConv2d, nn.Conv3d: MaskedConv3d},
+    CONV1D: {None: MaskedConv1D},
 }
 
 
@@ -112,20 +127,36 @@ def straight_through_unsupported(module: nn.Module, attr: str) -> str | None:
 
 
 def forward_unsupported(
-    module: nn.Module, attr: str, classes: Mapping[type[nn.Module], type[nn.Module]]
+    module: nn.Module, attr: str, classes: SparseClasses
 ) -> str | None:
-    """Why ``module.attr`` cannot get one of the sparse forwards in ``classes`` (a map from a
-    base layer class to its sparse subclass), or ``None`` if it can."""
+    """Why ``module.attr`` cannot get one of the sparse forwards in ``classes`` (see
+    :data:`SparseClasses`), or ``None`` if it can."""
     if attr != "weight":
         return f"a sparse forward applies to layer weights, not {type(module).__name__}.{attr}"
     cls = original_class(module)
-    for base in classes:
-        if issubclass(cls, base):
-            if cls.forward is not base.forward:
-                return f"{cls.__name__} overrides forward(), so a sparse forward would bypass it"
-            return None
-    names = " or ".join(base.__name__ for base in classes)
-    return f"{cls.__name__} is not a {names} layer"
+    found = _sparse_class(cls, classes)
+    if found is None:
+        names = " or ".join(layer.name for layer in classes)
+        return f"{cls.__name__} is not a {names} layer"
+    base, _ = found
+    if cls.forward is not base.forward:
+        return (
+            f"{cls.__name__} overrides forward(), so a sparse forward would bypass it"
+        )
+    return None
+
+
+def _sparse_class(
+    cls: type[nn.Module], classes: SparseClasses
+) -> tuple[type[nn.Module], type[nn.Module]] | None:
+    """``(base class, sparse class)`` for a module of class ``cls``, or ``None``."""
+    for layer, by_base in classes.items():
+        base = layer.base(cls)
+        if base is not None:
+            sparse = by_base.get(base, by_base.get(None))
+            if sparse is not None:
+                return base, sparse
+    return None
 
 
 def install_masked_forward(
@@ -139,7 +170,7 @@ def install_masked_forward(
 
 def swap_forward(
     module: nn.Module,
-    classes: Mapping[type[nn.Module], type[nn.Module]],
+    classes: SparseClasses,
     mask: Tensor | None = None,
     project: Callable[[Tensor], Tensor] | None = None,
 ) -> None:
@@ -153,11 +184,63 @@ def swap_forward(
     reason = forward_unsupported(module, "weight", classes)
     if reason is not None:
         raise TypeError(reason)
-    base = next(b for b in classes if issubclass(original, b))
-    module.__class__ = _swapped_class(original, base, classes[base])
+    base, sparse = _sparse_class(original, classes)  # type: ignore[misc]
+    module.__class__ = _swapped_class(original, base, sparse)
     module._ls_original_class = original
     module._ls_mask = mask
     module._ls_project = project
+    module._ls_ran = False
+    if "_ls_hook" not in module.__dict__:
+        module._ls_hook = module.register_forward_pre_hook(_ran)
+
+
+def _ran(module: nn.Module, args: object) -> None:
+    """Marks that the sparse forward ran (the engine checks it in the first sparse step).
+
+    Being a hook also turns off the inference fast paths that read a layer's weight without
+    calling it: ``nn.TransformerEncoderLayer`` hands ``linear1.weight`` and ``linear2.weight``
+    to one fused kernel unless a module in it has hooks."""
+    module._ls_ran = True
+
+
+def install_sparse_attribute(
+    module: nn.Module,
+    attr: str,
+    mask: Tensor | None = None,
+    project: Callable[[Tensor], Tensor] | None = None,
+) -> None:
+    """Make every read of ``module.<attr>`` return ``weight * mask`` (or ``weight *
+    project(weight)``), straight-through, for a weight that other code reads directly instead
+    of calling ``module`` (``nn.MultiheadAttention`` hands ``in_proj_weight`` and
+    ``out_proj.weight`` to ``F.multi_head_attention_forward``).
+
+    Like :func:`swap_forward`, only the class changes (to a subclass with a property named
+    ``attr``): the Parameter stays in ``module._parameters``, so ``state_dict`` keys,
+    ``parameters()`` and optimizers see no change.
+    """
+    original = original_class(module)
+    key = (original, attr)
+    if key not in _SWAPPED:
+        _SWAPPED[key] = type(
+            f"Sparse{original.__name__}", (original,), {attr: property(_sparse_read)}
+        )
+    module.__class__ = _SWAPPED[key]
+    module._ls_original_class = original
+    module._ls_attr = attr
+    module._ls_mask = mask
+    module._ls_project = project
+    module._ls_ran = False
+
+
+def _sparse_read(module: nn.Module) -> Tensor:
+    weight = module._parameters[module._ls_attr]
+    module._ls_ran = True  # the engine's check that the sparse weight is read
+    mask = (
+        project_eagerly(module._ls_project, weight)
+        if module._ls_project is not None
+        else module._ls_mask
+    )
+    return straight_through_mask(weight, mask)
 
 
 def original_class(module: nn.Module) -> type[nn.Module]:
@@ -165,7 +248,7 @@ def original_class(module: nn.Module) -> type[nn.Module]:
     return module.__dict__.get("_ls_original_class", type(module))
 
 
-_SWAPPED: dict[tuple[type, type], type] = {}
+_SWAPPED: dict[tuple[type, object], type] = {}
 
 
 def _swapped_class(
@@ -174,9 +257,10 @@ def _swapped_class(
     """The sparse class for ``original`` (a subclass of both, so isinstance checks still hold).
 
     For a subclass ``MyLinear`` of ``nn.Linear`` and ``sparse=MaskedLinear`` it is
-    ``MaskedMyLinear(MaskedLinear, MyLinear)``, created once and reused.
+    ``MaskedMyLinear(MaskedLinear, MyLinear)``, created once and reused; a mixin ``sparse``
+    (not a subclass of ``base``) is always combined with ``original``.
     """
-    if original is base:
+    if original is base and issubclass(sparse, base):
         return sparse
     key = (original, sparse)
     if key not in _SWAPPED:
@@ -191,5 +275,8 @@ def uninstall_forward(module: nn.Module) -> None:
     if original is None:
         return
     module.__class__ = original
+    hook = module.__dict__.get("_ls_hook")
+    if hook is not None:
+        hook.remove()
     for attr in [name for name in module.__dict__ if name.startswith("_ls_")]:
         del module.__dict__[attr]

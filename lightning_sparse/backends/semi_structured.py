@@ -51,11 +51,13 @@ from torch.sparse import (
 
 from lightning_sparse.backends.capability import HALF_DTYPES
 from lightning_sparse.backends.masked import (
+    SparseClasses,
     SparseForwardMixin,
     project_eagerly,
     straight_through_mask,
     swap_forward,
 )
+from lightning_sparse.core.layers import CONV1D, LINEAR
 from lightning_sparse.masks.tiles import is_transposable_2to4, transposable_2to4_mask
 
 GREEDY = "largest_abs_values_greedy"
@@ -155,7 +157,9 @@ def semi_structured_linear(
         if mask is None:
             mask = project_eagerly(transposable_2to4_mask, weight)
         return F.linear(input, straight_through_mask(weight, mask), bias)
-    w = weight.to(dtype)
+    w = weight.to(
+        dtype
+    ).contiguous()  # the tile op reads row-major (Conv1D's W.T is not)
     if mask is not None:
         w = straight_through_mask(w, mask)
     # The sparse matmuls take 2-D row-major inputs (a column-major input would make autograd
@@ -181,29 +185,51 @@ class NotTransposableError(ValueError):
     """A stored mask that the 2:4 kernels cannot run (not transposable 2:4)."""
 
 
-class SemiStructuredLinear(SparseForwardMixin, nn.Linear):
-    """``nn.Linear`` whose matmuls run 2:4-sparse (see the module docstring)."""
+class SemiStructuredForward(SparseForwardMixin):
+    """A matmul layer (``Linear``, ``Conv1D``) whose matmuls run 2:4-sparse (see the module
+    docstring) on the weight as the ``(out, in)`` matrix it multiplies by."""
 
     _ls_kernel: str
 
     def forward(self, input: Tensor) -> Tensor:
+        matrix = self._ls_layer.matrix
+        mask = self._ls_mask
         return semi_structured_linear(
-            input, self.weight, self.bias, self._ls_kernel, self._ls_mask
+            input,
+            matrix(self.weight),
+            self.bias,
+            self._ls_kernel,
+            None if mask is None else matrix(mask).contiguous(),
         )
 
 
-_SEMI_STRUCTURED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Linear: SemiStructuredLinear
+class SemiStructuredLinear(SemiStructuredForward, nn.Linear):
+    """``nn.Linear`` whose matmuls run 2:4-sparse."""
+
+    _ls_layer = LINEAR
+
+
+class SemiStructuredConv1D(SemiStructuredForward):
+    """Hugging Face's ``Conv1D`` whose matmuls run 2:4-sparse (on ``weight.T``)."""
+
+    _ls_layer = CONV1D
+
+
+_SEMI_STRUCTURED_CLASSES: SparseClasses = {
+    LINEAR: {nn.Linear: SemiStructuredLinear},
+    CONV1D: {None: SemiStructuredConv1D},
 }
 
 
 def install_semi_structured_forward(
     module: nn.Module, kernel: str, mask: Tensor | None = None
 ) -> None:
-    """Make the ``nn.Linear`` ``module`` run 2:4-sparse with ``kernel``; with ``mask`` (which
-    must be transposable 2:4), on ``weight * mask``, else on the weight's own 2:4 projection."""
+    """Make the ``nn.Linear`` (or ``Conv1D``) ``module`` run 2:4-sparse with ``kernel``; with
+    ``mask`` (stored like the weight; transposable 2:4 as the ``(out, in)`` matrix), on
+    ``weight * mask``, else on the matrix's own 2:4 projection."""
     if kernel not in (*KERNELS, EMULATED):
         raise ValueError(f"kernel={kernel!r}; use one of {[*KERNELS, EMULATED]}")
+    # transposable 2:4 holds for the matrix iff it holds for its transpose
     if mask is not None and not is_transposable_2to4(mask):
         raise NotTransposableError(
             "the semi_structured backend runs stored masks that are transposable 2:4 (at most "

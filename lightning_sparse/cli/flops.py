@@ -1,9 +1,10 @@
-"""Theoretical forward FLOP savings of a sparsity schedule, counted on ``nn.Linear`` matmuls.
+"""Theoretical forward FLOP savings of a sparsity schedule, counted on matmul layers.
 
 What is counted, and what is not:
 
-- Every ``nn.Linear`` module with a trainable weight costs ``2 * in_features * out_features``
-  FLOPs per input row (token) in the forward pass; each module counts once per token. Modules
+- Every matmul layer (``nn.Linear``, Hugging Face ``Conv1D``: the layer types with a matrix,
+  :mod:`~lightning_sparse.core.layers`) with a trainable weight costs
+  ``2 * in_features * out_features`` FLOPs per input row (token) in the forward pass; each module counts once per token. Modules
   that see fewer rows (a classifier head on the CLS token) are over-counted, layers without
   trainable weights (a frozen EMA teacher) are left out, and so are convolutions (a ViT's patch
   embedding), attention's score/value matmuls, norms and activations.
@@ -35,9 +36,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_sparse.core.layers import layer_type
+
 
 def linear_flops_per_token(model: nn.Module) -> dict[str, int]:
-    """``{weight name: forward FLOPs per token}`` of every ``nn.Linear`` whose weight trains.
+    """``{weight name: forward FLOPs per token}`` of every matmul layer (``nn.Linear``, Hugging
+    Face ``Conv1D``) whose weight trains.
 
     A weight shared by several modules (a tied ``lm_head``) is named as
     ``model.named_parameters()`` names it and counts once per module that applies it.
@@ -45,11 +49,9 @@ def linear_flops_per_token(model: nn.Module) -> dict[str, int]:
     names = {id(p): name for name, p in model.named_parameters()}
     flops: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.requires_grad:
+        if layer_type(module).matrix is not None and module.weight.requires_grad:
             name = names[id(module.weight)]
-            flops[name] = (
-                flops.get(name, 0) + 2 * module.in_features * module.out_features
-            )
+            flops[name] = flops.get(name, 0) + 2 * module.weight.numel()  # in x out
     return flops
 
 
@@ -58,7 +60,7 @@ class FlopSavings:
     """Fractions of all counted forward FLOPs skipped: per phase and over the run."""
 
     total_per_token: (
-        int  #: counted forward FLOPs per token (all trainable Linear layers)
+        int  #: counted forward FLOPs per token (all trainable matmul layers)
     )
     selected_per_token: int  #: of which in the sparsified layers
     per_phase: list[float]  #: fraction skipped while each phase runs

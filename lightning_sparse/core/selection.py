@@ -5,9 +5,12 @@ Patterns are globs (``fnmatch``, ``*`` also crosses dots) or ``re:``-prefixed re
 starts at a dot, so ``blocks.*.mlp.fc1.weight`` matches ``model.blocks.0.mlp.fc1.weight`` in a
 LightningModule that wraps the network as ``self.model``.
 
-Without ``params``: every weight with two or more dimensions that belongs to a Linear or Conv
-layer, except embeddings, norms, the output head, weights tied to an embedding, and parameters
-with ``requires_dense = True``.
+Without ``params``: every weight with two or more dimensions that belongs to a layer of a known
+type (``nn.Linear``, ``nn.ConvNd``, Hugging Face ``Conv1D``: :mod:`~lightning_sparse.core.layers`),
+except embeddings, norms, the output head, weights tied to an embedding, and parameters with
+``requires_dense = True``. The output head is found by name (a module called ``lm_head``,
+``head``, ``classifier``, ``output``..., a ``fc`` at the top level or directly under a head) and
+by ties to an embedding; only a model with neither leaves its last layer dense as the head.
 
 Example:
     >>> import torch.nn as nn
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-_LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+from lightning_sparse.core.layers import LAYER_TYPES, STORED, LayerType, layer_type
+
 _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 _HEAD_NAMES = {"head", "lm_head", "classifier", "output", "fc_out", "output_layer"}
 
@@ -39,6 +43,11 @@ class ParamTarget:
     name: str
     param: nn.Parameter
     owners: list[tuple[str, nn.Module, str]]  # (module name, module, attribute name)
+    #: modules that read the parameter outside its owner's forward, and how
+    readers: list[str] = field(default_factory=list)
+    #: the readers read it as an attribute of its owner (``module.attr``), which a
+    #: straight-through phase can make sparse (see ``backends.masked.install_sparse_attribute``)
+    sparse_reads: bool = False
 
     @property
     def module(self) -> nn.Module:
@@ -47,6 +56,15 @@ class ParamTarget:
     @property
     def module_name(self) -> str:
         return self.owners[0][0]
+
+    @property
+    def layer(self) -> LayerType:
+        """How the owner computes with the parameter (the first owner of a known type)."""
+        for _, module, attr in self.owners:
+            found = layer_type(module, attr)
+            if found is not STORED:
+                return found
+        return STORED
 
 
 @dataclass
@@ -104,8 +122,36 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
     return owners
 
 
+def _is_layer(module: nn.Module) -> bool:
+    return layer_type(module) is not STORED
+
+
+def _head_by_name(module_name: str) -> bool:
+    parts = module_name.split(".")
+    if parts[-1] in _HEAD_NAMES:
+        return True
+    # torchvision/timm ResNets: a top-level ``fc``; timm ConvNeXt and others: ``head.fc``
+    return parts[-1] == "fc" and (len(parts) == 1 or parts[-2] in _HEAD_NAMES)
+
+
+def _heads(
+    model: nn.Module, owners: dict[int, list[tuple[str, nn.Module, str]]]
+) -> set[str]:
+    """The names of the output head modules: by name, or by a weight tied to an embedding;
+    without either, the last layer of a known type (a plain stack of layers)."""
+    layers = [(n, m) for n, m in model.named_modules() if _is_layer(m)]
+    heads = {n for n, _ in layers if _head_by_name(n)}
+    for name, module in layers:
+        holders = owners.get(id(getattr(module, "weight", None)), [])
+        if any(isinstance(m, _EMBEDDING_TYPES) for _, m, _ in holders):
+            heads.add(name)
+    if not heads and layers:
+        heads.add(layers[-1][0])
+    return heads
+
+
 def _default_exclusion(
-    name: str, owners: list[tuple[str, nn.Module, str]], last_layer: str | None
+    name: str, owners: list[tuple[str, nn.Module, str]], heads: set[str]
 ) -> str | None:
     """Why the default heuristic leaves a >=2-D parameter dense, or None to select it."""
     if any(isinstance(m, _EMBEDDING_TYPES) for _, m, _ in owners):
@@ -113,8 +159,10 @@ def _default_exclusion(
             return "tied to an embedding"
         return "embedding"
     module_name, module, attr = owners[0]
-    if not isinstance(module, _LAYER_TYPES) or attr != "weight":
-        return f"not a Linear/Conv weight ({type(module).__name__}.{attr})"
+    if not _is_layer(module) or attr != "weight":
+        names = [t.name for t in LAYER_TYPES]
+        kinds = f"{', '.join(names[:-1])} or {names[-1]}"
+        return f"not a {kinds} weight ({type(module).__name__}.{attr})"
     if "norm" in type(module).__name__.lower():
         return "norm"
     parts = module_name.split(".")
@@ -123,9 +171,65 @@ def _default_exclusion(
         ["wpe"],
     ):
         return "embedding"
-    if parts[-1] in _HEAD_NAMES or module_name == last_layer:
+    if module_name in heads:
         return "output head"
     return None
+
+
+def _readers(
+    modules: dict[str, nn.Module], owners: list[tuple[str, nn.Module, str]]
+) -> list[str]:
+    """How modules read a parameter outside its owner's forward (so a sparse forward swapped
+    into the owner would never run)."""
+    found = []
+    for module_name, module, attr in owners:
+        parent_name, _, child = module_name.rpartition(".")
+        if isinstance(module, nn.MultiheadAttention):
+            found.append(
+                f"nn.MultiheadAttention ({module_name or 'model'}) hands {attr} to "
+                f"F.multi_head_attention_forward itself"
+            )
+        elif (
+            isinstance(modules.get(parent_name), nn.MultiheadAttention)
+            and child == "out_proj"
+        ):
+            found.append(
+                f"nn.MultiheadAttention ({parent_name or 'model'}) hands out_proj.weight to "
+                f"F.multi_head_attention_forward itself and never calls out_proj"
+            )
+    return found
+
+
+def _read_as_attribute(owners: list[tuple[str, nn.Module, str]]) -> bool:
+    """Whether ``nn.MultiheadAttention`` reads the parameter as ``self.in_proj_weight`` or
+    ``self.out_proj.weight`` (one attribute of one module), not as one of separate q/k/v
+    weights of the same module."""
+    if len(owners) != 1:
+        return False
+    _, module, attr = owners[0]
+    if isinstance(module, nn.MultiheadAttention):
+        return attr == "in_proj_weight"
+    return attr == "weight"
+
+
+def read_elsewhere(readers: Sequence[str]) -> str | None:
+    """Why a straight-through forward cannot make a parameter with ``readers`` sparse."""
+    if not readers:
+        return None
+    return f"{'; '.join(readers)}, so no sparse forward of its layer would ever run"
+
+
+def _tied_to(name: str, model: nn.Module) -> str | None:
+    """The parameter name a tied alias ``name`` (e.g. ``lm_head.weight``) stands for."""
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    param = module._parameters.get(attr)
+    if param is None:
+        return None
+    return next((n for n, p in model.named_parameters() if p is param), None)
 
 
 def select_parameters(
@@ -143,8 +247,8 @@ def select_parameters(
     skip = compile_patterns(exclude, "exclude")
     owners = _owners(model)
     named = list(model.named_parameters())  # deduplicated: a tied weight appears once
-    layers = [n for n, m in model.named_modules() if isinstance(m, _LAYER_TYPES)]
-    last_layer = layers[-1] if layers else None
+    heads = _heads(model, owners)
+    modules = dict(model.named_modules(remove_duplicate=False))
 
     hits: dict[str, list[str]] = {p.text: [] for p in include + skip}
     targets: list[ParamTarget] = []
@@ -164,9 +268,12 @@ def select_parameters(
         elif include:
             reason = None if matched_include else "not matched by params"
         else:
-            reason = _default_exclusion(name, owners[id(param)], last_layer)
+            reason = _default_exclusion(name, owners[id(param)], heads)
         if reason is None:
-            targets.append(ParamTarget(name, param, owners[id(param)]))
+            holders = owners[id(param)]
+            readers = _readers(modules, holders)
+            attribute = bool(readers) and _read_as_attribute(holders)
+            targets.append(ParamTarget(name, param, holders, readers, attribute))
         else:
             excluded[name] = reason
 
@@ -174,6 +281,20 @@ def select_parameters(
         kind = "params" if pattern in include else "exclude"
         matched = hits[pattern.text]
         if not matched:
+            aliases = {
+                alias: _tied_to(alias, model)
+                for alias, _ in model.named_parameters(remove_duplicate=False)
+                if pattern.matches(alias)
+            }
+            aliases = {a: n for a, n in aliases.items() if n is not None and n != a}
+            if aliases:
+                alias, real = next(iter(aliases.items()))
+                why = excluded.get(real, "selected")
+                raise ValueError(
+                    f"{kind} pattern {pattern.text!r} names {alias!r}, which is tied to "
+                    f"{real!r} (one Parameter, listed once under that name; by default: "
+                    f"{why}); name {real!r} instead"
+                )
             raise ValueError(
                 f"{kind} pattern {pattern.text!r} matches no parameter of {type(model).__name__}; "
                 f"parameter names look like {[n for n, _ in named[:3]]} (globs may match a "
@@ -186,3 +307,19 @@ def select_parameters(
                 f"sparsified: {why}; point it at weights with 2 or more dimensions"
             )
     return Selection(targets, excluded)
+
+
+def empty_selection_message(selection: Selection, group: str, model: str) -> str:
+    """Why a group whose phases ask for sparsity selected nothing: each parameter with two or
+    more dimensions and why it was left dense (1-D ones are left out)."""
+    left = {n: why for n, why in selection.excluded.items() if why != "1-D"}
+    lines = [f"  {n}: {why}" for n, why in list(left.items())[:12]]
+    if len(left) > 12:
+        lines.append(f"  ... and {len(left) - 12} more")
+    found = "\n".join(lines) if lines else "  (no parameter with 2 or more dimensions)"
+    return (
+        f"SparsityCallback {group!r} selects no parameter of {model}, but its phases ask for "
+        f"sparsity: the run would train dense. Parameters found and why each was left "
+        f"dense:\n{found}\nName the weights to sparsify with params=[...] (globs over these "
+        f"names, e.g. params=['*.weight'])"
+    )

@@ -12,6 +12,8 @@ Models and where their sparsifiable weights live:
   the EMA teacher under ``teacher.`` is frozen and follows the student)
 - :class:`GPTLanguageModel`: ``model.transformer.h.*.mlp.c_fc.weight``,
   ``model.transformer.h.*.mlp.c_proj.weight``, ``model.transformer.h.*.attn.c_attn.weight``
+- ``lightning_sparse.demo.hf.HuggingFaceCausalLM`` (needs ``transformers``; not imported here):
+  any Hugging Face causal LM, its parameters named as in ``transformers`` under ``model.``
 """
 
 from lightning_sparse.demo.dino import DINOHead, DINOSelfDistillation

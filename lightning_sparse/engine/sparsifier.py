@@ -26,6 +26,7 @@ Example (plain PyTorch):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ from lightning_sparse.backends import (
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import (
     install_masked_forward,
+    install_sparse_attribute,
     straight_through_unsupported,
     uninstall_forward,
 )
@@ -57,15 +59,16 @@ from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
 )
 from lightning_sparse.backends.speed import SpeedCheck
+from lightning_sparse.core.layers import nm_unsupported
 from lightning_sparse.core.schedule import ResolvedPhase, phase_at
-from lightning_sparse.core.selection import ParamTarget
+from lightning_sparse.core.selection import ParamTarget, read_elsewhere
 from lightning_sparse.engine.layer_threads import (
     for_each_layer,
     update_threads,
 )
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
 from lightning_sparse.engine.sharding import gather_full, shard_like
-from lightning_sparse.masks import NM, nm_groups, sparsity_fraction
+from lightning_sparse.masks import NM, sparsity_fraction
 from lightning_sparse.masks.elementwise import (
     apply_mask_change_,
     as_multiplier,
@@ -143,7 +146,7 @@ class Sparsifier:
             if phase.index in self.algorithms:
                 self._check_phase(phase, self.algorithms[phase.index])
                 for t in self.targets:
-                    self.backends[phase.index, t.name] = choose_backend(
+                    choice = choose_backend(
                         backend,
                         phase.target,
                         t.param,
@@ -152,6 +155,10 @@ class Sparsifier:
                         speedup,
                         gpu,
                     )
+                    if choice.name == "semi_structured" and t.readers:
+                        # a kernel forward would never run; the stored zeros are read
+                        choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
+                    self.backends[phase.index, t.name] = choice
         if backend == "semi_structured":
             require_semi_structured(
                 [
@@ -167,30 +174,43 @@ class Sparsifier:
             tuple[int, int | None]
         ] = []  # (step entered, phase index or None)
         self._grad_lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        self._unverified = False  # sparse forwards installed, not yet seen to run
 
     # -- validation ---------------------------------------------------------------------------
     def _check_phase(self, phase: ResolvedPhase, algorithm: SparsityAlgorithm) -> None:
         where = f"phases[{phase.index}]"
         for t in self.targets:
             if isinstance(phase.target, NM):
-                try:
-                    nm_groups(torch.empty(t.param.shape, device="meta"), phase.target.m)
-                except ValueError as err:
+                reason = nm_unsupported(t.layer, t.param.shape, phase.target.m)
+                if reason is not None:
                     raise ValueError(
                         f"{where}: sparsity '{phase.target}' is impossible for parameter {t.name!r}: "
-                        f"{err}; exclude it (exclude=[{t.name!r}]) or use a float sparsity"
-                    ) from None
+                        f"{reason}; exclude it (exclude=[{self._pattern(t)!r}]) or use a float "
+                        f"sparsity"
+                    )
             if algorithm.straight_through:
                 for module_name, module, attr in t.owners:
-                    reason = straight_through_unsupported(module, attr)
+                    if t.sparse_reads:  # every read of module.attr will be sparse
+                        continue
+                    reason = read_elsewhere(t.readers) or straight_through_unsupported(
+                        module, attr
+                    )
                     if reason is None and len(t.owners) > 1:
                         reason = "it is shared by several modules (tied weights)"
                     if reason is not None:
                         raise ValueError(
                             f"{where}: algorithm {algorithm.name!r} masks the forward of each "
                             f"layer, but parameter {t.name!r} ({module_name or 'model'}) cannot: "
-                            f"{reason}; use a hard-mask algorithm ('static', 'gmp') or exclude it"
+                            f"{reason}; use a hard-mask algorithm ({_hard_mask_for(phase)}) "
+                            f"or exclude it (exclude=[{self._pattern(t)!r}])"
                         )
+
+    def _pattern(self, t: ParamTarget) -> str:
+        """A pattern that names ``t`` alone among the group (a glob matches dotted suffixes:
+        ``conv1.weight`` would also take ``layer1.0.conv1.weight``)."""
+        if any(o.name.endswith("." + t.name) for o in self.targets):
+            return f"re:^{re.escape(t.name)}$"
+        return t.name
 
     # -- phases ---------------------------------------------------------------------------------
     @property
@@ -222,13 +242,21 @@ class Sparsifier:
         algo = self.algorithm
         if algo is None:
             return
-        weights = {t.name: gather_full(t.param.detach()) for t in self.targets}
+        # algorithms see rows: each weight as its layer computes, inputs last (core.layers)
+        weights = {
+            t.name: _rows(t, gather_full(t.param.detach())) for t in self.targets
+        }
         targets = algo.layer_targets(step, weights, None)
         masks = {
-            name: algo.initial_mask(
-                weight, targets[name], MaskContext(name, step, algo.seed)
+            t.name: _stored(
+                t,
+                algo.initial_mask(
+                    weights[t.name],
+                    targets[t.name],
+                    MaskContext(t.name, step, algo.seed),
+                ),
             )
-            for name, weight in weights.items()
+            for t in self.targets
         }
         self._apply(masks, optimizers)
 
@@ -267,6 +295,7 @@ class Sparsifier:
                 if zero_state:
                     zero_optimizer_state(optimizers, t.param, ~mask)
         self._grad_lists.clear()
+        self._unverified = True
 
     @torch.no_grad()
     def _apply_change(
@@ -308,8 +337,17 @@ class Sparsifier:
                 return
             except NotTransposableError:
                 self._run_masked_instead(t, algo, key)
+        if t.sparse_reads:  # read as module.attr by another module's code
+            if algo.straight_through:
+                install_sparse_attribute(
+                    t.module,
+                    t.owners[0][2],
+                    mask=None if algo.projects else mask,
+                    project=_projection(t, algo) if algo.projects else None,
+                )
+            return
         if algo.projects:
-            install_masked_forward(t.module, project=algo.project)
+            install_masked_forward(t.module, project=_projection(t, algo))
         elif algo.straight_through:
             install_masked_forward(t.module, mask=mask)
 
@@ -330,6 +368,25 @@ class Sparsifier:
         self.log(f"[{self.name}] {why}; it runs with masked dense math")
         uninstall_forward(t.module)
 
+    def verify_forwards(self) -> None:
+        """Raise if a layer given a sparse forward at the phase start did not run it in the
+        forwards since (a model that reads the weight some other way would train and evaluate
+        it dense while the logs report it sparse)."""
+        self._unverified = False
+        idle = [
+            f"{t.name} ({t.module_name or 'model'}, {type(t.module).__name__})"
+            for t in self.targets
+            if t.module.__dict__.get("_ls_ran") is False
+        ]
+        if idle:
+            raise RuntimeError(
+                f"[{self.name}] these parameters have a sparse forward that did not run in the "
+                f"first sparse step: {idle[:5]}. The model reads them without calling their "
+                f"layer (e.g. a functional call on module.weight, or an unused layer), so they "
+                f"would stay dense; use a hard-mask algorithm ('static'), which stores the "
+                f"zeros in the weight, or exclude them"
+            )
+
     def current_mask(self, target: ParamTarget) -> Tensor | None:
         """The mask the next forward uses (projected from the weight for ``runtime``), laid out
         like the parameter."""
@@ -338,7 +395,7 @@ class Sparsifier:
             return None
         if algo.projects:
             weight = target.param.detach()
-            return shard_like(algo.project(gather_full(weight)), weight)
+            return shard_like(_projection(target, algo)(gather_full(weight)), weight)
         return self.masks[target.name]
 
     def before_optimizer_step(
@@ -353,6 +410,8 @@ class Sparsifier:
         algo = self.algorithm
         if algo is None:
             return False
+        if self._unverified:
+            self.verify_forwards()
         updated = False
         if step != self.last_update_step and algo.is_update_step(step):
             updated = self._update(step, algo, optimizer, optimizers)
@@ -372,10 +431,16 @@ class Sparsifier:
                 f"[{self.name}] step {step}: mask update skipped: non-finite weights or gradients"
             )
             return False
-        weights = {t.name: gather_full(t.param.detach()) for t in self.targets}
-        # plain tensors: the stored masks themselves, which the algorithm edits in place
-        masks = {t.name: gather_full(self.masks[t.name]) for t in self.targets}
+        weights = {
+            t.name: _rows(t, gather_full(t.param.detach())) for t in self.targets
+        }
+        # plain tensors as rows: for a Linear, the stored masks themselves, which the
+        # algorithm edits in place; for other layers, copies laid out as rows
+        masks = {
+            t.name: _rows(t, gather_full(self.masks[t.name])) for t in self.targets
+        }
         targets = algo.layer_targets(step, weights, masks)
+        stored: dict[str, Tensor] = {}
 
         def update_layer(t: ParamTarget) -> None:  # on a worker thread, perhaps
             grad = None if t.param.grad is None else gather_full(t.param.grad.detach())
@@ -383,9 +448,13 @@ class Sparsifier:
                 weights[t.name],
                 masks[t.name],
                 targets[t.name],
-                MaskContext(t.name, step, algo.seed, grad),
+                MaskContext(
+                    t.name, step, algo.seed, None if grad is None else _rows(t, grad)
+                ),
             )
-            self._apply_change(t, masks[t.name], changed, optimizers)
+            mask = stored[t.name] = _stored(t, masks[t.name])
+            changed = None if changed is None else _stored(t, changed)
+            self._apply_change(t, mask, changed, optimizers)
 
         params = [t.param for t in self.targets]
         workers = update_threads(algo.layers_in_parallel, params)
@@ -393,7 +462,7 @@ class Sparsifier:
         for_each_layer(update_layer, self.targets, sizes, workers)
         # forwards are installed on this thread: layers may share a module
         for t in self.targets:
-            self._install_forward(t, algo, masks[t.name])
+            self._install_forward(t, algo, stored[t.name])
         self._grad_lists.clear()
         self.last_update_step = step
         return True
@@ -595,6 +664,30 @@ def _all_finite(x: Tensor) -> bool:
         return True
     low, high = torch.aminmax(x)  # NaN if any entry is NaN, +-inf if any is
     return bool(low.isfinite() & high.isfinite())
+
+
+def _rows(t: ParamTarget, tensor: Tensor) -> Tensor:
+    """``tensor`` (laid out like ``t``'s parameter) as rows: ``t``'s weight as its layer
+    computes with it, inputs last; the tensor itself for a Linear weight."""
+    return t.layer.to_rows(tensor).contiguous()
+
+
+def _stored(t: ParamTarget, rows: Tensor) -> Tensor:
+    """Rows back in the layout of ``t``'s parameter (the tensor itself for a Linear)."""
+    return t.layer.from_rows(rows).contiguous()
+
+
+def _projection(t: ParamTarget, algo: SparsityAlgorithm) -> Callable[[Tensor], Tensor]:
+    """``algo.project`` for ``t``'s stored layout (itself for a Linear weight)."""
+    layer = t.layer
+    if layer.to_rows(t.param) is t.param:
+        return algo.project
+    return lambda weight: layer.from_rows(algo.project(layer.to_rows(weight)))
+
+
+def _hard_mask_for(phase: ResolvedPhase) -> str:
+    """The built-in hard-mask algorithms that accept ``phase``'s target, for messages."""
+    return "'static'" if isinstance(phase.target, NM) else "'static', 'gmp'"
 
 
 def _index(phase: ResolvedPhase | None) -> int | None:

@@ -1,0 +1,162 @@
+"""Layer types: how a parameter's owner computes with it, and so where its input dimension is.
+
+Every mask rule works on *rows*: the weight as its layer computes with it, with the
+computation's input dimension last, so that N:M groups (and the columns of transposable 2:4
+tiles) run along the inputs. A layer type maps the stored weight to rows and back, says how
+many inputs an output reads, and computes the layer's forward with a given weight:
+
+==========  =====================  ==========================  ==================
+layer type  stored weight          rows (N:M along the last)   2:4 matmul kernels
+==========  =====================  ==========================  ==================
+Linear      ``(out, in)``          ``(out, in)``               yes
+Conv1D      ``(in, out)``          ``(out, in)``: transposed   yes (on ``W.T``)
+ConvNd      ``(out, in, *kernel)`` ``(out, *kernel, in)``      no
+==========  =====================  ==========================  ==================
+
+``Conv1D`` is Hugging Face's (``transformers.pytorch_utils.Conv1D``, in GPT-2 and GPT), found
+by its class name and module without importing ``transformers``. Convolutions group along
+input channels as NVIDIA's ASP and TensorRT do (the weight viewed as ``(K, R, S, C)``). A
+weight of any other owner keeps its stored layout (:data:`STORED`: groups along the last axis
+of ``(shape[0], -1)``). A new layer type is one entry of :data:`LAYER_TYPES`.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> conv = nn.Conv2d(8, 4, 3)
+    >>> layer = layer_type(conv)
+    >>> layer.name, tuple(layer.to_rows(conv.weight).shape), layer.inputs(conv.weight.shape)
+    ('ConvNd', (4, 3, 3, 8), 8)
+    >>> torch.equal(layer.from_rows(layer.to_rows(conv.weight)), conv.weight)
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """How one kind of layer computes with its ``weight``."""
+
+    name: str  #: shown in reports and messages (for convolutions: the class's name)
+    stored: str  #: the stored layout, e.g. ``"(in, out)"``
+    rows: str  #: the layout mask rules see, input dimension last
+    is_class: Callable[
+        [type], bool
+    ]  #: whether a class (of an MRO) is this layer's class
+    to_rows: Callable[[Tensor], Tensor]  #: stored weight -> rows (a view)
+    from_rows: Callable[[Tensor], Tensor]  #: rows -> stored layout (a view)
+    input_dim: int  #: the stored dimension that holds the inputs (channels for a conv)
+    #: ``(module, input, weight) -> output``: the layer's forward with ``weight`` for its own
+    compute: Callable[[nn.Module, Tensor, Tensor], Tensor] | None = None
+    #: the weight as the ``(out, in)`` matrix of ``input @ matrix.T`` (2:4 kernels), if any
+    matrix: Callable[[Tensor], Tensor] | None = None
+
+    def base(self, cls: type) -> type | None:
+        """The class in ``cls``'s MRO that is this layer type's class, or ``None``."""
+        return next((c for c in cls.__mro__ if self.is_class(c)), None)
+
+    def inputs(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """How many inputs (features or channels) each N:M group runs along."""
+        return shape[self.input_dim] if len(shape) > self.input_dim else 1
+
+
+def _same(weight: Tensor) -> Tensor:
+    return weight
+
+
+def _transposed(weight: Tensor) -> Tensor:
+    return weight.transpose(0, 1)
+
+
+def _is_hf_conv1d(cls: type) -> bool:
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+
+
+def _linear(module: nn.Module, input: Tensor, weight: Tensor) -> Tensor:
+    return F.linear(input, weight, module.bias)
+
+
+def _conv(module: nn.Module, input: Tensor, weight: Tensor) -> Tensor:
+    return module._conv_forward(input, weight, module.bias)  # type: ignore[operator]
+
+
+def _conv1d(module: nn.Module, input: Tensor, weight: Tensor) -> Tensor:
+    # Hugging Face's Conv1D.forward with ``weight`` (in, out) for ``module.weight``
+    size_out = input.size()[:-1] + (weight.shape[1],)
+    out = torch.addmm(module.bias, input.view(-1, input.size(-1)), weight)
+    return out.view(size_out)
+
+
+LINEAR = LayerType(
+    "Linear",
+    "(out, in)",
+    "(out, in)",
+    lambda cls: cls is nn.Linear,
+    _same,
+    _same,
+    1,
+    _linear,
+    _same,
+)
+CONV1D = LayerType(
+    "Conv1D",
+    "(in, out)",
+    "(out, in)",
+    _is_hf_conv1d,
+    _transposed,
+    _transposed,
+    0,
+    _conv1d,
+    _transposed,
+)
+CONV = LayerType(
+    "ConvNd",
+    "(out, in, *kernel)",
+    "(out, *kernel, in)",
+    lambda cls: cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d),
+    lambda weight: weight.movedim(1, -1),
+    lambda rows: rows.movedim(-1, 1),
+    1,
+    _conv,
+)
+STORED = LayerType(
+    "parameter", "(d0, d1, ...)", "(d0, d1, ...)", lambda cls: False, _same, _same, 1
+)
+"""Any other owner (e.g. ``nn.MultiheadAttention.in_proj_weight``): the stored layout, groups
+along the last axis of ``(shape[0], -1)``."""
+
+LAYER_TYPES = (LINEAR, CONV1D, CONV)
+"""The layers whose ``weight`` the default selection takes and the straight-through and 2:4
+forwards know, in the order they are looked up."""
+
+
+def layer_type(module: nn.Module, attr: str = "weight") -> LayerType:
+    """The layer type of ``module.attr`` (:data:`STORED` for a weight of no known layer).
+
+    The module's class before any sparse forward was installed decides
+    (``_ls_original_class``), so the answer does not change during a phase.
+    """
+    if attr != "weight":
+        return STORED
+    cls = module.__dict__.get("_ls_original_class", type(module))
+    return next((t for t in LAYER_TYPES if t.base(cls) is not None), STORED)
+
+
+def nm_unsupported(layer: LayerType, shape: torch.Size, m: int) -> str | None:
+    """Why N:M groups of ``m`` cannot run along the inputs of a ``layer`` weight of ``shape``,
+    or ``None`` if they can."""
+    inputs = layer.inputs(shape)
+    if inputs % m == 0:
+        return None
+    what = "input channels" if layer is CONV else "inputs per output"
+    return (
+        f"its {layer.name} weight of shape {tuple(shape)} (stored {layer.stored}) has {inputs} "
+        f"{what}, not a multiple of M={m}"
+    )

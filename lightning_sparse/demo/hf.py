@@ -1,0 +1,118 @@
+"""Any Hugging Face causal LM as a LightningModule: built from a config, or loaded pretrained.
+
+Needs ``transformers`` (``pip install transformers``). The model is the ``model`` attribute, so
+its parameters are named as in ``transformers`` with a ``model.`` prefix (GPT-2:
+``model.transformer.h.0.mlp.c_fc.weight``, a ``Conv1D``; Llama:
+``model.model.layers.0.mlp.up_proj.weight``). Batches are ``(x, y)`` int64 ``(B, T)`` with ``y``
+the next tokens, as from :class:`~lightning_sparse.demo.PydocTextDataModule` (byte-level: give a
+``vocab_size`` of 256 or more).
+
+Example:
+    >>> import math, torch
+    >>> lm = HuggingFaceCausalLM("gpt2", config={"n_layer": 1, "n_embd": 32, "n_head": 2,
+    ...                                          "vocab_size": 256, "n_positions": 32})
+    >>> x, y = torch.randint(0, 256, (2, 2, 16))
+    >>> abs(lm.loss(x, y).item() - math.log(256)) < 0.3  # untrained: about uniform
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import Tensor, nn
+
+from lightning_sparse.demo.optim import (
+    check_adamw_warmup_cosine,
+    param_groups_weight_decay,
+    total_training_steps,
+    warmup_cosine_schedule,
+)
+
+
+class HuggingFaceCausalLM(L.LightningModule):
+    """Next-token language modelling with a ``transformers`` causal LM, AdamW, warmup + cosine.
+
+    Args:
+        model: a model type (``"gpt2"``, ``"llama"``: a fresh config of that type, no download),
+            a local directory with a ``config.json`` (and weights, for ``pretrained``), or a Hub
+            name (needs the network or a filled Hugging Face cache).
+        config: fields that override the config (e.g. ``{"n_layer": 4}``).
+        pretrained: load the weights (``from_pretrained``) instead of initializing at random.
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay of the 2-D weights (not of embeddings, norms, biases).
+        betas: AdamW betas.
+        warmup_steps: linear warmup: a fraction of the run in [0, 1), or optimizer steps >= 1.
+        min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
+    """
+
+    def __init__(
+        self,
+        model: str = "gpt2",
+        config: dict[str, Any] | None = None,
+        pretrained: bool = False,
+        lr: float = 2e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: float = 0.05,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        check_adamw_warmup_cosine(lr, weight_decay, warmup_steps, min_lr_ratio)
+        self.save_hyperparameters()
+        overrides = dict(config or {})
+        if pretrained:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(
+                model, **overrides
+            )
+        else:
+            self.model = transformers.AutoModelForCausalLM.from_config(
+                _config(model, overrides)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(input_ids=x).logits  # (B, T, vocab)
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        """Mean next-token cross-entropy (nats) of targets ``y`` given inputs ``x``."""
+        return F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(*batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val/loss", self.loss(*batch), prog_bar=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        groups = param_groups_weight_decay(
+            self, hp.weight_decay, no_decay_modules=(nn.Embedding,)
+        )
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        scheduler = warmup_cosine_schedule(
+            optimizer,
+            total_training_steps(self.trainer),
+            hp.warmup_steps,
+            hp.min_lr_ratio,
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+def _config(model: str, overrides: dict[str, Any]) -> transformers.PretrainedConfig:
+    """A model type's fresh config, or the config of a local directory or Hub name."""
+    if model in transformers.CONFIG_MAPPING and not os.path.isdir(model):
+        return transformers.AutoConfig.for_model(model, **overrides)
+    return transformers.AutoConfig.from_pretrained(model, **overrides)
+
+
+__all__ = ["HuggingFaceCausalLM"]

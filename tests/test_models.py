@@ -1,0 +1,610 @@
+"""The models people bring (tiny configs, random weights, no downloads): Hugging Face GPT-2
+(``Conv1D``, weight ``(in, out)``, ``lm_head`` tied to ``wte``) and Llama, timm ViT, PyTorch's
+``nn.MultiheadAttention``, convolutions. Every check reads the map a layer computes (it is fed
+an identity), not the stored tensor."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import StopAt, fast_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_sparse import SparsityCallback, export_state_dict
+from lightning_sparse.algorithms import RunLength
+from lightning_sparse.backends.gpus import parse_gpu
+from lightning_sparse.backends.semi_structured import install_semi_structured_forward
+from lightning_sparse.cli.flops import linear_flops_per_token
+from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, layer_type
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
+from lightning_sparse.masks.tiles import transposable_2to4_mask
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def tiny_llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+@torch.no_grad()
+def effective_rows(module: nn.Module) -> torch.Tensor:
+    """The weight a layer computes with, measured by feeding it an identity, as rows: ``(out,
+    in)`` for a matmul layer, ``(out, *kernel, in_channels)`` for a convolution (stride 1)."""
+    if isinstance(module, nn.Conv2d):
+        c, kh, kw = module.in_channels, *module.kernel_size
+        eye = torch.eye(c * kh * kw).view(-1, c, kh, kw)
+        ph, pw = module.padding  # the centre output sees the whole kernel
+        out = module(eye)[:, :, ph, pw]  # (c*kh*kw, out)
+        bias = 0 if module.bias is None else module.bias
+        return (out - bias).T.reshape(-1, c, kh, kw).movedim(1, -1)
+    n_in = module.weight.shape[0 if layer_type(module) is CONV1D else 1]
+    out = module(torch.eye(n_in))
+    bias = 0 if module.bias is None else module.bias
+    return (out - bias).T
+
+
+def run_phase(model: nn.Module, sparsity: Any, **spec: Any) -> Sparsifier:
+    """Enter a sparse phase on ``model`` with the default selection (plain PyTorch)."""
+    phases = resolve_phases([Phase(sparsity=sparsity, **spec)], total_steps=10)
+    sp = Sparsifier("t", select_parameters(model).targets, phases, backend="masked")
+    sp.on_step_start(0, [])
+    return sp
+
+
+def test_layer_types_of_the_models_people_bring():
+    conv1d = transformers.pytorch_utils.Conv1D(12, 8)  # nf=12 outputs, nx=8 inputs
+    assert layer_type(conv1d) is CONV1D and conv1d.weight.shape == (8, 12)
+    assert CONV1D.inputs(conv1d.weight.shape) == 8
+    assert layer_type(nn.Linear(2, 3)) is LINEAR
+    assert layer_type(nn.Conv2d(8, 4, 3)) is CONV
+    assert layer_type(nn.Embedding(3, 4)).name == "parameter"
+
+
+def test_gpt2_default_selection_takes_the_conv1d_weights():
+    model = tiny_gpt2()
+    sel = select_parameters(model)
+    names = [t.name for t in sel.targets]
+    assert names == [
+        f"transformer.h.{i}.{w}.weight"
+        for i in range(2)
+        for w in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    assert {t.layer for t in sel.targets} == {CONV1D}
+    assert sel.excluded["transformer.wte.weight"] == "tied to an embedding"
+
+
+def test_gpt2_static_70_percent_is_exact_on_the_effective_weights():
+    model = tiny_gpt2()
+    sp = run_phase(model, 0.7)
+    for t in sp.targets:
+        rows = effective_rows(t.module)
+        assert int((rows == 0).sum()) == round(0.7 * rows.numel())
+    assert sp.actual_sparsity() == pytest.approx(0.7, abs=1e-4)
+
+
+@pytest.mark.parametrize("pattern", ["2:4", "1:4", "4:8"])
+@pytest.mark.parametrize("algorithm", ["static", "runtime"])
+def test_gpt2_nm_runs_along_the_input_dimension(pattern, algorithm):
+    n, m = map(int, pattern.split(":"))
+    model = tiny_gpt2()
+    sp = run_phase(model, pattern, algorithm=algorithm)
+    for t in sp.targets:
+        rows = effective_rows(t.module)  # (out, in)
+        kept = (rows != 0).reshape(rows.shape[0], -1, m).sum(-1)
+        if pattern == "2:4" and algorithm == "runtime":
+            assert (
+                int(kept.max()) <= n
+            )  # the greedy transposable tile keeps 7 or 8 of 16
+            assert torch.equal(rows != 0, transposable_2to4_mask(rows) & (rows != 0))
+        else:
+            assert bool((kept == n).all()), t.name
+
+
+def test_gpt2_nm_feasibility_counts_the_inputs_of_the_computation():
+    conv1d = transformers.pytorch_utils.Conv1D
+    wide_out = nn.Sequential(conv1d(130, 64), nn.GELU(), conv1d(8, 130))
+    phases = resolve_phases([Phase(sparsity="2:4")], total_steps=10)
+    targets = select_parameters(wide_out, params=["0.weight"]).targets
+    Sparsifier("t", targets, phases)  # 64 inputs, 130 outputs: fine
+    targets = select_parameters(wide_out, params=["2.weight"]).targets
+    with pytest.raises(
+        ValueError, match=r"'2.weight': its Conv1D .* 130 inputs per output"
+    ):
+        Sparsifier("t", targets, phases)
+
+
+def test_gpt2_tied_head_pattern_names_the_parameter_it_is_tied_to():
+    with pytest.raises(
+        ValueError, match=r"'lm_head.weight', which is tied to 'transformer.wte.weight'"
+    ):
+        select_parameters(tiny_gpt2(), params=["lm_head.weight"])
+
+
+def test_conv1d_semi_structured_emulation_multiplies_by_the_transposed_mask():
+    layer = transformers.pytorch_utils.Conv1D(16, 8)  # weight (8, 16): 16 outputs
+    install_semi_structured_forward(layer, "emulated")
+    rows = effective_rows(layer)
+    dense = layer.weight.detach().T
+    assert torch.equal(rows, dense * transposable_2to4_mask(dense))
+
+
+class LMModule(L.LightningModule):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def token_loader(steps: int = 4) -> DataLoader:
+    ids = torch.randint(
+        0, 256, (steps * 2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    return DataLoader(TensorDataset(ids), batch_size=2)
+
+
+def test_gpt2_runtime_2to4_trains_sparse_then_dense():
+    module = LMModule(tiny_gpt2())
+    cb = SparsityCallback(
+        phases=[{"sparsity": "2:4", "until": 3}, {"sparsity": 0.0}], verbose=False
+    )
+    seen = []
+
+    class Probe(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            c_fc = pl_module.model.transformer.h[0].mlp.c_fc
+            seen.append(float((effective_rows(c_fc) == 0).float().mean()))
+
+    fast_trainer(max_steps=4, callbacks=[cb, Probe()]).fit(module, token_loader())
+    assert all(0.5 <= z < 0.53 for z in seen[:3]) and seen[3] < 0.01, seen
+
+
+def test_llama_default_selection_and_nm_along_inputs():
+    model = tiny_llama()
+    sel = select_parameters(model)
+    assert sel.excluded["lm_head.weight"] == "output head"
+    assert sel.excluded["model.embed_tokens.weight"] == "embedding"
+    assert len(sel.targets) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    sp = run_phase(model, "2:4", algorithm="static")
+    for t in sp.targets:
+        rows = effective_rows(t.module)
+        assert bool(((rows != 0).reshape(rows.shape[0], -1, 4).sum(-1) == 2).all())
+    sp = run_phase(tiny_llama(), 0.7)
+    for t in sp.targets:
+        rows = effective_rows(t.module)
+        assert int((rows == 0).sum()) == round(0.7 * rows.numel())
+
+
+class LitGPTLike(nn.Module):
+    """litgpt's ``GPT`` registers ``lm_head`` before the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(16, 32, bias=False)
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(32, 16),
+                "h": nn.ModuleList(
+                    nn.ModuleDict({"fc": nn.Linear(16, 64), "proj": nn.Linear(64, 16)})
+                    for _ in range(2)
+                ),
+            }
+        )
+
+
+def test_head_is_found_by_name_not_by_registration_order():
+    sel = select_parameters(LitGPTLike())
+    assert sel.excluded["lm_head.weight"] == "output head"
+    assert "transformer.h.1.proj.weight" in [t.name for t in sel.targets]
+
+
+def test_an_empty_selection_with_a_target_says_what_was_found():
+    class OnlyHead(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8)
+
+    cb = SparsityCallback(sparsity=0.5)
+    with pytest.raises(ValueError, match=r"selects no parameter of OnlyHead") as err:
+        cb.build(OnlyHead(), RunLength(10))
+    assert "emb.weight: embedding" in str(err.value)
+    assert "head.weight: output head" in str(err.value)
+
+
+class Encoder(L.LightningModule):
+    """``nn.TransformerEncoderLayer``: attention by ``nn.MultiheadAttention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            32, 2, 64, dropout=0.0, batch_first=True
+        )
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layer(x)).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def sequences() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(8, 4, 32)), batch_size=2)
+
+
+def attention_reference(attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """Self-attention computed by hand from the weights the forward should see."""
+    in_w, out_w = attn.in_proj_weight, attn.out_proj.weight  # sparse reads
+    q, k, v = F.linear(x, in_w, attn.in_proj_bias).chunk(3, -1)
+    b, t, e = x.shape
+    heads = [y.view(b, t, attn.num_heads, -1).transpose(1, 2) for y in (q, k, v)]
+    mixed = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(b, t, e)
+    return F.linear(mixed, out_w, attn.out_proj.bias)
+
+
+@pytest.mark.parametrize("algorithm", ["runtime", "magnitude"])
+def test_multihead_attention_is_sparse_in_every_forward_straight_through(algorithm):
+    model = Encoder()
+    attn = model.layer.self_attn
+    in_w, out_w = attn.in_proj_weight, attn.out_proj.weight
+    cb = SparsityCallback(
+        phases=[{"sparsity": "2:4", "algorithm": algorithm}],
+        params=["*.in_proj_weight", "*.out_proj.weight", "*.linear1.weight"],
+        verbose=False,
+    )
+    fast_trainer(max_steps=2, callbacks=[cb]).fit(model, sequences())
+    # the model's Parameters, names and state_dict are unchanged; reads are sparse
+    assert dict(model.named_parameters())["layer.self_attn.in_proj_weight"] is in_w
+    assert model.state_dict()["layer.self_attn.out_proj.weight"] is not None
+    assert attn._parameters["in_proj_weight"] is in_w
+    assert attn.out_proj._parameters["weight"] is out_w
+    for w in (attn.in_proj_weight, attn.out_proj.weight):  # what MHA reads
+        assert float((w == 0).float().mean()) >= 0.49
+        assert bool(((w != 0).reshape(w.shape[0], -1, 4).sum(-1) <= 2).all())
+    assert float((in_w == 0).float().mean()) < 0.01  # stored dense (straight-through)
+    x = torch.randn(2, 4, 32)
+    with torch.no_grad():
+        reference = attention_reference(attn, x)
+        torch.testing.assert_close(attn(x, x, x, need_weights=False)[0], reference)
+        model.eval()  # the fused inference path of nn.MultiheadAttention
+        torch.testing.assert_close(attn(x, x, x, need_weights=False)[0], reference)
+
+
+def test_separate_qkv_weights_are_refused_for_straight_through():
+    attn = nn.MultiheadAttention(32, 2, kdim=16, vdim=16, batch_first=True)
+    phases = resolve_phases([Phase(sparsity="2:4")], total_steps=10)
+    targets = select_parameters(attn, params=["k_proj_weight"]).targets
+    with pytest.raises(
+        ValueError,
+        match=r"'k_proj_weight' .* hands k_proj_weight to F.multi_head_attention_forward "
+        r".* use a hard-mask algorithm \('static'\) or exclude",
+    ):
+        Sparsifier("t", targets, phases)
+
+
+def test_multihead_attention_with_hard_masks_computes_sparse():
+    model = Encoder()
+    sp = run_phase(model, "2:4", algorithm="static")
+    assert "layer.self_attn.out_proj.weight" in [t.name for t in sp.targets]
+    attn = model.layer.self_attn
+    x = torch.randn(2, 4, 32)
+    out, _ = attn(x, x, x, need_weights=False)
+    q, k, v = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).chunk(3, -1)
+    heads = [t.view(2, 4, 2, 16).transpose(1, 2) for t in (q, k, v)]
+    mixed = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(2, 4, 32)
+    w = attn.out_proj.weight
+    assert bool(((w != 0).reshape(32, -1, 4).sum(-1) <= 2).all())
+    torch.testing.assert_close(out, F.linear(mixed, w, attn.out_proj.bias))
+
+
+def test_transformer_encoder_layer_runtime_without_out_proj_is_sparse_in_eval():
+    model = Encoder()
+    cb = SparsityCallback(sparsity="2:4", exclude=["*.out_proj.weight"], verbose=False)
+    fast_trainer(max_steps=2, callbacks=[cb]).fit(model, sequences())
+    layer = model.layer
+    model.eval()
+    x = torch.randn(2, 4, 32)
+    with torch.no_grad():  # the inference fast path of nn.TransformerEncoderLayer
+        out = layer(x)
+        w1 = layer.linear1.sparse_weight()
+        w2 = layer.linear2.sparse_weight()
+        attn, _ = layer.self_attn(x, x, x, need_weights=False)
+        h = layer.norm1(x + attn)
+        expected = layer.norm2(
+            h
+            + F.linear(
+                F.relu(F.linear(h, w1, layer.linear1.bias)), w2, layer.linear2.bias
+            )
+        )
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_weight_read_around_its_layer_stops_the_first_sparse_step():
+    class Functional(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.head(F.linear(batch[0], self.proj.weight)).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    cb = SparsityCallback(sparsity="2:4", verbose=False)
+    data = DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2)
+    with pytest.raises(
+        RuntimeError, match=r"did not run in the first sparse step: \['proj.weight"
+    ):
+        fast_trainer(max_steps=2, callbacks=[cb]).fit(Functional(), data)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 10)
+
+
+@pytest.mark.parametrize("algorithm", ["static", "runtime"])
+def test_conv_nm_groups_run_along_input_channels(algorithm):
+    model = ConvNet()
+    phases = resolve_phases(
+        [Phase(sparsity="2:4", algorithm=algorithm)], total_steps=10
+    )
+    with pytest.raises(
+        ValueError, match=r"'stem.weight': its ConvNd .*3 input channels"
+    ):
+        Sparsifier("t", select_parameters(model).targets, phases)
+    targets = select_parameters(model, exclude=["stem.weight"]).targets
+    assert [t.name for t in targets] == ["conv.weight"]
+    sp = Sparsifier("t", targets, phases, backend="masked")
+    sp.on_step_start(0, [])
+    rows = effective_rows(model.conv)  # (16, 3, 3, 8)
+    kept = (rows != 0).reshape(16, -1, 4).sum(-1)
+    assert bool((kept <= 2).all()) and int(kept.sum()) >= 0.45 * rows.numel() / 2
+    if algorithm == "static":
+        assert bool((kept == 2).all())
+
+
+def test_timm_vit_runtime_2to4_selects_the_block_linears_and_trains():
+    timm = pytest.importorskip("timm")
+    vit = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        embed_dim=64,
+        depth=2,
+        num_heads=2,
+        num_classes=4,
+    )
+    sel = select_parameters(vit)
+    assert sel.excluded["head.weight"] == "output head"
+    assert {t.name.split(".", 2)[-1] for t in sel.targets} == {
+        "attn.qkv.weight",
+        "attn.proj.weight",
+        "mlp.fc1.weight",
+        "mlp.fc2.weight",
+    }
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vit = vit
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self.vit(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = DataLoader(
+        TensorDataset(torch.randn(4, 3, 32, 32), torch.randint(0, 4, (4,))),
+        batch_size=2,
+    )
+    cb = SparsityCallback(sparsity="2:4", verbose=False)
+    fast_trainer(max_steps=2, callbacks=[cb]).fit(Classifier(), data)
+    fc1 = vit.blocks[1].mlp.fc1
+    rows = effective_rows(fc1)
+    assert math.isclose(float((rows == 0).float().mean()), 0.5, abs_tol=0.03)
+
+
+GPT2_PHASES = [
+    {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 2, "until": 3},
+    {"sparsity": 0.7, "algorithm": "gmp", "update_every": 1, "until": 6},
+    {"sparsity": 0.0},
+]
+
+
+def gpt2_run(tmp_path, stop_at=None, ckpt_path=None, seed=0):
+    L.seed_everything(seed, verbose=False)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=64,
+        n_head=2,
+        vocab_size=256,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    module = LMModule(transformers.GPT2LMHeadModel(config))
+    callbacks: list[L.Callback] = [SparsityCallback(phases=GPT2_PHASES, verbose=False)]
+    if stop_at:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=tmp_path, every_n_train_steps=stop_at, filename="{step}"
+            )
+        )
+        callbacks.append(StopAt(stop_at))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(
+        TensorDataset(ids.repeat(4, 1)), batch_size=2
+    )  # identical batches
+    trainer = fast_trainer(
+        max_steps=7,
+        deterministic=True,
+        callbacks=callbacks,
+        enable_checkpointing=bool(stop_at),
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return module
+
+
+@pytest.mark.parametrize(
+    "resume_step", [2, 5]
+)  # in the magnitude 2:4 and the gmp phase
+def test_gpt2_resume_is_bitwise_and_the_export_loads_strictly(tmp_path, resume_step):
+    reference = gpt2_run(tmp_path / "ref")
+    gpt2_run(tmp_path / "ck", stop_at=resume_step)
+    ckpt = tmp_path / "ck" / f"step={resume_step}.ckpt"
+    resumed = gpt2_run(tmp_path / "resumed", ckpt_path=ckpt, seed=1)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    exported = export_state_dict(ckpt)
+    fresh = LMModule(tiny_gpt2().__class__(reference.model.config))
+    fresh.load_state_dict(exported, strict=True)
+    rows = effective_rows(fresh.model.transformer.h[0].mlp.c_fc)
+    kept = (rows != 0).reshape(rows.shape[0], -1, 4).sum(-1)
+    if resume_step == 2:  # the magnitude phase's 2:4 folded in, along the inputs
+        assert bool((kept == 2).all())
+    else:
+        assert float((rows == 0).float().mean()) > 0.5
+
+
+def test_torchvision_vit_attention_is_sparse_with_hard_masks():
+    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
+    vit = vision_transformer.VisionTransformer(
+        image_size=16,
+        patch_size=8,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=4,
+    )
+    sel = select_parameters(vit, exclude=["conv_proj.weight"])
+    assert sel.excluded["heads.head.weight"] == "output head"
+    out_proj = "encoder.layers.encoder_layer_0.self_attention.out_proj.weight"
+    assert out_proj in [t.name for t in sel.targets]
+    phases = resolve_phases([Phase(sparsity="2:4", algorithm="static")], total_steps=10)
+    sp = Sparsifier("t", sel.targets, phases)
+    sp.on_step_start(0, [])
+    attn = vit.encoder.layers[0].self_attention
+    w = attn.out_proj.weight  # what F.multi_head_attention_forward reads: stored zeros
+    assert bool(((w != 0).reshape(32, -1, 4).sum(-1) == 2).all())
+    assert vit(torch.randn(2, 3, 16, 16)).shape == (2, 4)
+
+
+def test_torchvision_resnet_head_by_name_and_nm_along_input_channels():
+    models = pytest.importorskip("torchvision.models")
+    resnet = models.resnet18(num_classes=4)
+    phases = resolve_phases([Phase(sparsity="2:4", algorithm="static")], total_steps=10)
+    with pytest.raises(
+        ValueError, match=r"3 input channels.*exclude=\['re:\^conv1\\\\.weight\$'\]"
+    ):
+        Sparsifier("t", select_parameters(resnet).targets, phases)
+    sel = select_parameters(resnet, exclude=["re:^conv1\\.weight$"])
+    assert sel.excluded["fc.weight"] == "output head"
+    Sparsifier("t", sel.targets, phases, backend="masked").on_step_start(0, [])
+    rows = effective_rows(resnet.layer1[0].conv1)  # (64, 3, 3, 64)
+    assert bool(((rows != 0).reshape(64, -1, 4).sum(-1) == 2).all())
+
+
+def test_attention_out_proj_never_gets_a_kernel_forward_it_would_not_run():
+    layer = nn.TransformerEncoderLayer(128, 2, 256, batch_first=True)
+    phases = resolve_phases([Phase(sparsity="2:4", algorithm="static")], total_steps=10)
+    targets = select_parameters(layer).targets
+    sp = Sparsifier(
+        "t", targets, phases, compute_dtype=torch.bfloat16, gpu=parse_gpu("H100")
+    )
+    choices = {name: choice for (_, name), choice in sp.backends.items()}
+    assert choices["linear1.weight"].name == "semi_structured"
+    assert choices["self_attn.out_proj.weight"].name == "masked"
+    assert "never calls out_proj" in choices["self_attn.out_proj.weight"].reason
+
+
+def test_plan_flops_count_the_conv1d_matmuls():
+    flops = linear_flops_per_token(tiny_gpt2())
+    assert flops["transformer.h.0.mlp.c_fc.weight"] == 2 * 64 * 256
+    assert flops["transformer.h.1.attn.c_attn.weight"] == 2 * 64 * 192
+    assert (
+        flops["transformer.wte.weight"] == 2 * 64 * 256
+    )  # lm_head, tied: counted once
+
+
+def test_hf_bert_and_vit_encoders_default_selection():
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+    )
+    sel = select_parameters(bert)
+    assert (
+        sel.excluded["bert.embeddings.word_embeddings.weight"] == "tied to an embedding"
+    )
+    names = [t.name for t in sel.targets]
+    assert "bert.encoder.layer.0.intermediate.dense.weight" in names
+    assert "bert.encoder.layer.0.attention.output.dense.weight" in names
+    vit = transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            image_size=16,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=3,
+        )
+    )
+    sel = select_parameters(vit)
+    assert sel.excluded["classifier.weight"] == "output head"
+    assert (
+        sel.excluded["vit.embeddings.patch_embeddings.projection.weight"] == "embedding"
+    )
+    sp = run_phase(vit, "2:4", algorithm="static")
+    for t in sp.targets:
+        rows = effective_rows(t.module)
+        assert bool(((rows != 0).reshape(rows.shape[0], -1, 4).sum(-1) == 2).all())
