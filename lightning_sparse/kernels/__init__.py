@@ -99,6 +99,15 @@ def set_at_(target: Tensor, index: Tensor, values: Tensor | bool) -> None:
     flat[index.numpy()] = values if isinstance(values, bool) else _array(values)
 
 
+def distinct_sorted(values: Tensor) -> Tensor:
+    """The distinct entries of the int64 CPU tensor ``values``, ascending."""
+    ordered = np.sort(values.numpy())
+    distinct = np.empty(ordered.size, dtype=bool)
+    distinct[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=distinct[1:])
+    return torch.from_numpy(ordered[distinct])
+
+
 def first_k(values: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
     """:func:`lightning_sparse.masks.top_k` 's choice of the ``k`` first of ``values``:
     ``(strict, ties)``, those beyond the ``k``-th value and the positions of the equal ones

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_sparse import kernels
 from lightning_sparse.masks.elementwise import count_true, pick_output
 from lightning_sparse.masks.top_k import mark_top_k
 
@@ -117,7 +118,11 @@ def _distinct_draws(
             fraction = min(wanted / max(1, acceptable - len(found)), 0.999)
             draws = math.ceil(-n * math.log1p(-fraction)) + 64
         fresh = torch.randint(n, (draws,), generator=gen)
-        found = torch.unique(torch.cat([found, fresh]), sorted=True)
+        merged = torch.cat([found, fresh])
+        if kernels.accepts():  # (a faster sort on the CPU)
+            found = kernels.distinct_sorted(merged)
+        else:
+            found = torch.unique(merged, sorted=True)
         if accept is not None:
             found = found[accept(found)]
     return found
