@@ -166,7 +166,7 @@ def assert_same_by_name(
 ) -> None:
     assert got.keys() == expected.keys(), what
     wrong = [name for name in expected if not torch.equal(got[name], expected[name])]
-    assert not wrong, f"{what}: {len(wrong)} masks differ by name, e.g. {wrong[:3]}"
+    assert not wrong, f"{what}: {len(wrong)} tensors differ by name, e.g. {wrong[:3]}"
 
 
 def check_resume(reference: dict[str, Any], ckpt_path, out, step: int) -> Probe:
@@ -246,8 +246,8 @@ def test_exports_fold_each_mask_into_its_own_weight(reference, tmp_path):
             assert torch.allclose(plain(probe_input()), probe.output, atol=1e-6), what
 
 
-# Two Cerebras groups over the same 36 weights; each callback's state is found by its name
-# (``sparsity_0``, ``sparsity_1``), then each mask by its parameter's name.
+# Two Cerebras groups share the 36 weights (24 rigl, 12 static); each callback's state is found
+# by the callback's name (``sparsity_0``, ``sparsity_1``), then each mask by its parameter's.
 GROUPS = [
     {
         "algorithm": "rigl",
