@@ -4,7 +4,9 @@ For each strategy in ``strategies`` (``"ddp"``, or ``"fsdp2"``: Lightning's
 ``ModelParallelStrategy`` with ``fully_shard`` on every Linear layer), runs a full ``fit`` with a
 checkpoint at ``checkpoint_step``, then a second ``fit`` that resumes from it, and records, per
 optimizer step, a hash of every mask as this rank sees it (after the step's mask update), plus a
-hash of the final weights. One job serves every strategy: starting processes is the slow part.
+hash of the final weights. With ``by_name``, it does the same under DDP for a model whose
+parameter names sort out of model order, resuming from several checkpoints (:func:`by_name`).
+One job serves every strategy: starting processes is the slow part.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from helpers import RepeatedBatch, TinyModule, fast_trainer
+from helpers import OutOfOrderModule, RepeatedBatch, TinyModule, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -30,6 +32,8 @@ from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sharding import gather_full, is_sharded
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import target_mask
+
+STATE_KEY = "SparsityCallback{'name': 'sparsity'}"
 
 
 class ShardedTinyModule(TinyModule):
@@ -77,6 +81,14 @@ class MaskHashes(L.Callback):
     def __init__(self, sparsity: SparsityCallback) -> None:
         self.sparsity = sparsity
         self.steps: dict[int, dict[str, Any]] = {}
+        self.restored: dict[str, str] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # the masks the engine holds once activated (restored, on a resume), by name
+        sp = self.sparsity.sparsifier
+        self.restored = {
+            name: tensor_hash(gather_full(mask)) for name, mask in sp.masks.items()
+        }
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         sp = self.sparsity.sparsifier
@@ -102,15 +114,18 @@ def fit(
     # rank, so a mask that depended on it (instead of the weights, gradients and name-derived
     # seeds) would differ between ranks, and between a run and its resume.
     L.seed_everything(cfg["seed"])
-    if strategy_name == "ddp":
-        model: TinyModule = TinyModule(lr=0.05)
-        strategy: Any = "ddp"
+    model: L.LightningModule
+    strategy: Any
+    if cfg.get("model") == "out_of_order":
+        assert strategy_name == "ddp"
+        model, strategy = OutOfOrderModule(), "ddp"
+    elif strategy_name == "ddp":
+        model, strategy = TinyModule(lr=0.05), "ddp"
     else:
         model = ShardedTinyModule(lr=0.05)
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    sparsity = SparsityCallback(
-        phases=cfg["phases"]
-    )  # verbose: the summary gathers too
+    # verbose: the summary gathers too
+    sparsity = SparsityCallback(phases=cfg["phases"], params=cfg.get("params"))
     hashes = MaskHashes(sparsity)
     ckpt = ModelCheckpoint(
         dirpath=out / "ckpt",
@@ -131,13 +146,33 @@ def fit(
     trainer.fit(model, data, ckpt_path=ckpt_path)
     full = {name: gather_full(p).detach().cpu() for name, p in model.named_parameters()}
     if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)  # a short resume writes no checkpoint
         torch.save(full, out / "final_weights.pt")
     weights = {name: tensor_hash(value) for name, value in full.items()}
     return {
         "steps": hashes.steps,
+        "restored": hashes.restored,
         "weights": weights,
         "history": sparsity.sparsifier.history,
     }
+
+
+def by_name(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
+    """DDP runs of :class:`OutOfOrderModule` (names that sort out of model order): a full run
+    with a checkpoint every ``checkpoint_step`` steps, and one resume from each of the
+    ``resume_steps``, with the masks each checkpoint saved (by name)."""
+    cfg = {**cfg, "model": "out_of_order", "params": OutOfOrderModule.PARAMS}
+    report = {"full": fit(cfg, "ddp", out, None)}
+    for step in cfg["resume_steps"]:
+        ckpt = out / "ckpt" / f"step={step}.ckpt"
+        run = fit(cfg, "ddp", out / f"resumed{step}", str(ckpt))
+        state = torch.load(ckpt, weights_only=False)["callbacks"][STATE_KEY]
+        run["saved"] = {
+            key.removesuffix("_mask"): tensor_hash(mask)
+            for key, mask in state["masks"].items()
+        }
+        report[f"resumed{step}"] = run
+    return report
 
 
 def odd_shards() -> dict[str, Any]:
@@ -178,6 +213,10 @@ def main() -> None:
             "full": fit(cfg, strategy, out, None),
             "resumed": fit(cfg, strategy, out / "resumed", str(ckpt)),
         }
+    if "by_name" in cfg:
+        report["by_name"] = by_name(
+            {**cfg["by_name"], "seed": cfg["seed"]}, Path(cfg["out"]) / "by_name"
+        )
     if "fsdp2" in cfg["strategies"]:
         report["odd_shards"] = odd_shards()
     rank = int(os.environ["LOCAL_RANK"])
@@ -186,3 +225,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The report is written: end here, without the interpreter's shutdown. The gloo process
+    # groups are still alive (Lightning destroys only NCCL ones at exit, and torch's DTensor
+    # caches keep the device meshes' groups alive even after destroy_process_group), and a gloo
+    # worker thread that releases a finished collective once finalization has begun must take
+    # the GIL, which ends the thread inside a C++ destructor: "terminate called without an
+    # active exception", exit code 134 (issue 23: one job in ten failed so).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

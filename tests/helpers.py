@@ -67,6 +67,43 @@ class TinyModule(L.LightningModule):
         )
 
 
+class Block(nn.Module):
+    """Three layers of one shape, defined out of alphabetical order (``up``, ``gate``, ``down``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.gate = nn.Linear(width, width)
+        self.down = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)) * torch.sigmoid(self.gate(x)))
+
+
+class OutOfOrderModule(L.LightningModule):
+    """Twelve :class:`Block` s in an ``nn.Sequential``: 36 weights of one shape whose names sort
+    out of model order (``blocks.10.*`` before ``blocks.2.*``, ``down`` before ``up``), so a
+    mask restored to the wrong layer raises no shape error. Sparsify ``blocks.*.weight``."""
+
+    PARAMS = ("blocks.*.weight",)
+
+    def __init__(self, width: int = 8, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(12)])
+        self.head = nn.Linear(width, 4)
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+
 class CompiledTiny(TinyModule):
     """TinyModule whose network runs through ``torch.compile`` (parameter names unchanged)."""
 

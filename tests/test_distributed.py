@@ -52,6 +52,24 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
 ]
 
 
+# DDP resumes of a model whose parameter names sort out of model order (see
+# helpers.OutOfOrderModule): checkpoints every 3 steps; resumes in a hard-mask phase (rigl, step
+# 3), between updates of a straight-through one (magnitude, step 6; update at 8), and in a
+# runtime phase (step 12)
+BY_NAME: dict[str, Any] = {
+    "phases": [
+        {"sparsity": 0.5, "until": 2},
+        {"sparsity": 0.5, "algorithm": "rigl", "update_every": 1, "until": 5},
+        {"sparsity": 0.6, "algorithm": "magnitude", "update_every": 3, "until": 10},
+        {"sparsity": "2:4", "until": 13},
+        {"sparsity": 0.0},
+    ],
+    "max_steps": 14,
+    "checkpoint_step": 3,
+    "resume_steps": [3, 6, 12],
+}
+
+
 def job_config() -> dict[str, Any]:
     phases = [
         {**phase, "until": STEPS * (i + 1)} for i, (_, phase, _) in enumerate(ENTRIES)
@@ -76,7 +94,7 @@ def config() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def job(config, tmp_path_factory) -> list[dict[str, Any]]:
     """Each rank's report of the one 2-process job (DDP runs, then FSDP2 runs)."""
-    config = {**config, "strategies": ["ddp", "fsdp2"]}
+    config = {**config, "strategies": ["ddp", "fsdp2"], "by_name": BY_NAME}
     return run_workers(config, tmp_path_factory.mktemp("job"))
 
 
@@ -138,6 +156,29 @@ def without_layout(steps: dict[str, Any]) -> dict[str, Any]:
 def test_ddp_masks_are_identical_on_every_rank_and_after_resume(ddp, config):
     assert not any(step["sharded"] for step in ddp[0]["full"]["steps"].values())
     check_job(ddp, config)
+
+
+def test_ddp_resume_restores_each_mask_to_its_own_parameter(job):
+    """Masks compared by name, on a model with 36 weights of one shape whose names sort out
+    of model order: restored as saved, then identical to the uninterrupted run at every step
+    and on every rank, and the final weights too."""
+    rank0, rank1 = (report["by_name"] for report in job)
+    full = rank0["full"]["steps"]
+    names = list(rank0["full"]["restored"])  # the step-0 masks, in model order
+    assert len(names) == 36 and names != sorted(names)
+    total = BY_NAME["max_steps"]
+    for step in BY_NAME["resume_steps"]:
+        runs = [rank0[f"resumed{step}"], rank1[f"resumed{step}"]]
+        saved = runs[0]["saved"]
+        assert len(set(saved.values())) == len(saved) == 36  # every layer its own mask
+        for run in runs:
+            assert run["restored"] == saved, f"resume at {step}: restored by name"
+            assert sorted(map(int, run["steps"])) == list(range(step, total))
+            for s in range(step, total):
+                assert run["steps"][str(s)] == full[str(s)], (
+                    f"resume at {step}: step {s}"
+                )
+            assert run["weights"] == rank0["full"]["weights"], f"resume at {step}"
 
 
 def test_fsdp2_masks_on_sharded_parameters_match_ddp_at_every_step(fsdp2, ddp, config):
