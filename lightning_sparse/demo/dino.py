@@ -34,12 +34,12 @@ from lightning_sparse.demo._checks import (
     resolve_steps,
 )
 from lightning_sparse.demo.optim import (
+    adamw_warmup_cosine,
     check_adamw_warmup_cosine,
     cosine_ramp,
     linear_ramp,
     param_groups_weight_decay,
     total_training_steps,
-    warmup_cosine_schedule,
 )
 from lightning_sparse.demo.probes import knn_predict, linear_probe_predict
 from lightning_sparse.demo.vit import TINY_VIT_KWARGS, create_timm_model
@@ -466,14 +466,7 @@ class DINOSelfDistillation(L.LightningModule):
         groups = param_groups_weight_decay(
             self.student, hp.weight_decay, no_decay_names=tuple(no_decay)
         )
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        scheduler = warmup_cosine_schedule(
-            optimizer, self._total_steps(), hp.warmup_steps, hp.min_lr_ratio
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        return adamw_warmup_cosine(groups, hp, self._total_steps())
 
     # ---------------------------------------------------------------------------- evaluation
     def on_validation_epoch_start(self) -> None:

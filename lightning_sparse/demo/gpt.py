@@ -20,10 +20,10 @@ from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
 from lightning_sparse.demo.optim import (
+    adamw_warmup_cosine,
     check_adamw_warmup_cosine,
     param_groups_weight_decay,
     total_training_steps,
-    warmup_cosine_schedule,
 )
 
 
@@ -324,17 +324,7 @@ class GPTLanguageModel(L.LightningModule):
         groups = param_groups_weight_decay(
             self, hp.weight_decay, no_decay_modules=(nn.Embedding,)
         )
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        scheduler = warmup_cosine_schedule(
-            optimizer,
-            total_training_steps(self.trainer),
-            hp.warmup_steps,
-            hp.min_lr_ratio,
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        return adamw_warmup_cosine(groups, hp, total_training_steps(self.trainer))
 
 
 __all__ = ["GPT", "GPT_PRESETS", "GPTConfig", "GPTLanguageModel"]

@@ -22,16 +22,15 @@ import os
 from typing import Any
 
 import lightning as L
-import torch
 import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
 
 from lightning_sparse.demo.optim import (
+    adamw_warmup_cosine,
     check_adamw_warmup_cosine,
     param_groups_weight_decay,
     total_training_steps,
-    warmup_cosine_schedule,
 )
 
 
@@ -95,17 +94,7 @@ class HuggingFaceCausalLM(L.LightningModule):
         groups = param_groups_weight_decay(
             self, hp.weight_decay, no_decay_modules=(nn.Embedding,)
         )
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        scheduler = warmup_cosine_schedule(
-            optimizer,
-            total_training_steps(self.trainer),
-            hp.warmup_steps,
-            hp.min_lr_ratio,
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        return adamw_warmup_cosine(groups, hp, total_training_steps(self.trainer))
 
 
 def _config(model: str, overrides: dict[str, Any]) -> transformers.PretrainedConfig:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,6 +123,22 @@ def warmup_cosine_schedule(
         optimizer,
         lambda step: warmup_cosine_factor(step, total_steps, warmup, min_lr_ratio),
     )
+
+
+def adamw_warmup_cosine(
+    groups: list[dict[str, Any]], hparams: Any, total_steps: int
+) -> dict[str, Any]:
+    """AdamW over ``groups`` with its per-step warmup + cosine schedule, from a demo module's
+    ``lr``, ``betas``, ``warmup_steps`` and ``min_lr_ratio``, as ``configure_optimizers``
+    returns them to Lightning."""
+    optimizer = torch.optim.AdamW(groups, lr=hparams.lr, betas=tuple(hparams.betas))
+    scheduler = warmup_cosine_schedule(
+        optimizer, total_steps, hparams.warmup_steps, hparams.min_lr_ratio
+    )
+    return {
+        "optimizer": optimizer,
+        "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+    }
 
 
 def cosine_ramp(step: int, total_steps: int, start: float, end: float) -> float:

@@ -15,10 +15,10 @@ from lightning_sparse.demo._checks import (
     check_positive_int,
 )
 from lightning_sparse.demo.optim import (
+    adamw_warmup_cosine,
     check_adamw_warmup_cosine,
     param_groups_weight_decay,
     total_training_steps,
-    warmup_cosine_schedule,
 )
 
 #: The CPU demo ViT used when ``model_kwargs`` is left out: 32-pixel images, 8-pixel patches
@@ -163,12 +163,4 @@ class ViTClassifier(L.LightningModule):
         groups = param_groups_weight_decay(
             self, hp.weight_decay, no_decay_names=tuple(no_decay)
         )
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        total = total_training_steps(self.trainer)
-        scheduler = warmup_cosine_schedule(
-            optimizer, total, hp.warmup_steps, hp.min_lr_ratio
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        return adamw_warmup_cosine(groups, hp, total_training_steps(self.trainer))
