@@ -17,7 +17,7 @@ from lightning_sparse.masks.elementwise import (
     scratch_mask,
     zero_where_,
 )
-from lightning_sparse.masks.top_k import LARGE, mark_top_k
+from lightning_sparse.masks.top_k import LARGE, _Choice, _thresholds, mark_top_k
 
 # Above LARGE entries the sampled-threshold path runs; below, a stable sort.
 SIZES = [(7, 13), (300, 400), (1, LARGE + 5)]
@@ -103,6 +103,26 @@ def test_compiled_and_torch_passes_agree(kind, dtype):
     )
     for torch_run, compiled_run in zip(*runs):
         assert torch.equal(torch_run, compiled_run)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "ties", "nan"])
+def test_sampled_thresholds_agree_on_both_paths(kind):
+    """The strided sample and its order statistics (NumPy with the [cpu] extra, torch
+    without) place the same thresholds, NaN sorted last on both."""
+    values = values_of("gaussian" if kind == "nan" else kind, (5, 40_000), 3)
+    if kind == "nan":
+        values.view(-1)[::31] = float("nan")
+    flags = torch.rand(values.shape, generator=torch.Generator().manual_seed(4)) < 0.5
+    choices = [
+        _Choice(
+            values.view(-1), 9000, largest, magnitude, flags.view(-1), keep_set, 100_000
+        )
+        for largest in (True, False)
+        for magnitude in (True, False)
+        for keep_set in (True, False)
+    ]
+    runs = on_both_paths(lambda: [_thresholds(c) for c in choices])
+    assert str(runs[0]) == str(runs[1])  # as text: NaN == NaN
 
 
 def test_threshold_pass_stops_where_the_band_outgrows_its_buffer():

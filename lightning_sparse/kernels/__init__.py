@@ -120,6 +120,34 @@ def first_k(values: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(strict), torch.from_numpy(ties)
 
 
+def strided_sample(
+    values: Tensor,
+    eligible: Tensor | None,
+    keep_set: bool,
+    stride: int,
+    magnitude: bool,
+) -> Tensor:
+    """Every ``stride``-th entry of ``values`` (``|values|`` with ``magnitude``), keeping those
+    where ``eligible`` equals ``keep_set`` (all without it), in a new tensor."""
+    x = _array(values)[
+        ::stride
+    ].copy()  # strided reads once; filtering runs on the copy
+    if eligible is not None:
+        flags = _array(eligible)[::stride].copy()
+        x = x[flags if keep_set else ~flags]
+    if magnitude:
+        np.abs(x, out=x)
+    return torch.from_numpy(x)
+
+
+def order_statistics(values: Tensor, positions: list[int]) -> list[float]:
+    """The entries at ``positions`` (each within range) of ``values`` sorted ascending, NaN
+    last as :func:`torch.sort` places them; ``values`` is sorted in place."""
+    x = _array(values)
+    x.sort()
+    return [float(x[p]) for p in positions]
+
+
 def multiply_(values: Tensor, mask: Tensor) -> None:
     """``values *= mask`` (bool): a pruned value becomes a zero of its sign."""
     _compiled().multiply(_array(values), _array(mask, True))

@@ -134,22 +134,34 @@ def _thresholds(c: _Choice) -> tuple[float | None, float | None] | None:
     deviations of the sample's count. ``None`` stands for a threshold beyond every value."""
     n = c.flat.numel()
     stride = max(1, n // min(max(n // 256, SAMPLED[0]), SAMPLED[1]))
-    sample = c.flat[::stride]
-    if c.flags is not None:
-        sampled = c.flags[::stride]
-        sample = sample[sampled if c.keep_set else ~sampled]
+    fast = kernels.accepts(*(t for t in (c.flat, c.flags) if t is not None))
+    if fast:
+        sample = kernels.strided_sample(
+            c.flat, c.flags, c.keep_set, stride, c.magnitude
+        )
+    else:
+        sample = c.flat[::stride]
+        if c.flags is not None:
+            sampled = c.flags[::stride]
+            sample = sample[sampled if c.keep_set else ~sampled]
+        if c.magnitude:
+            sample = sample.abs()
     m = sample.shape[0]
     if m == 0:
         return None
-    if c.magnitude:
-        sample = sample.abs()
     fraction = c.k / c.n_eligible
     margin = 4.0 * math.sqrt(m * fraction * (1.0 - fraction)) + 16
     ranks = [math.floor(fraction * m - margin), math.floor(fraction * m + margin)]
     # rank r counted from the chosen end is position r (smallest) or m - 1 - r (largest)
     positions = [r if not c.largest else m - 1 - r for r in ranks]
-    ordered = torch.sort(sample).values
-    inner, outer = (float(ordered[p]) if 0 <= p < m else None for p in positions)
+    inside = [p for p in positions if 0 <= p < m]
+    if fast:
+        found = kernels.order_statistics(sample, inside)
+    else:
+        ordered = torch.sort(sample).values
+        found = [float(ordered[p]) for p in inside]
+    at = dict(zip(inside, found))
+    inner, outer = (at.get(p) for p in positions)
     return inner, outer
 
 
