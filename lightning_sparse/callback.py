@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_sparse.algorithms import RunLength
+from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
@@ -93,6 +93,7 @@ class SparsityCallback(Callback):
             )
         self.phases = [Phase.from_any(p, f"phases[{i}]") for i, p in enumerate(phases)]
         validate_phase_list(self.phases)
+        check_phases(self.phases)
         compile_patterns(params, "params")
         compile_patterns(exclude, "exclude")
         self.params = params
