@@ -87,7 +87,7 @@ class SparsityCallback(Callback):
             )
         if phases is None:
             phases = [{"sparsity": sparsity}]
-        if isinstance(phases, (dict, Phase, str)):
+        if not isinstance(phases, Sequence) or isinstance(phases, str):
             raise TypeError(
                 f"phases={phases!r}: give a list of phases, e.g. [{{'sparsity': 0.7}}]"
             )
@@ -104,12 +104,16 @@ class SparsityCallback(Callback):
             raise ValueError(f"name={name!r}: give the group a non-empty string name")
         self.name = name
         if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
         ):
             raise ValueError(
                 f"log_every_n_steps={log_every_n_steps!r}: use a positive integer"
             )
         self.log_every_n_steps = log_every_n_steps
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose={verbose!r}: use True or False")
         self.verbose = verbose
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
