@@ -126,9 +126,9 @@ class SparsityCallback(Callback):
     def from_config(
         cls, config: cerebras.Config, name: str = "sparsity", **kwargs: Any
     ) -> list[SparsityCallback]:
-        """Callbacks from a Cerebras-format ``sparsity:`` block: a dict, a list of groups, or
-        the path of a YAML file (see :mod:`lightning_sparse.formats.cerebras` for the forms and how they
-        translate). One callback per group, named ``name`` (several: ``name_0``, ``name_1``...);
+        """Callbacks from a Cerebras Model Zoo sparsity block: a dict, a list of groups, a whole
+        params file, or the path of a YAML file with either (see
+        :mod:`lightning_sparse.formats.cerebras` for the forms and how they translate). One callback per group, named ``name`` (several: ``name_0``, ``name_1``...);
         ``kwargs`` (``backend``, ``verbose``...) go to every callback.
 
         Example:

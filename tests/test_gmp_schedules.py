@@ -5,8 +5,7 @@ a resumed run matches the uninterrupted one bit for bit."""
 import lightning as L
 import pytest
 import torch
-from helpers import RepeatedBatch, StopAt, TinyModule, fast_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from helpers import RepeatedBatch, TinyModule, fast_trainer, resume_run
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
@@ -68,34 +67,12 @@ def test_a_falling_schedule_regrows_at_zero_where_the_gradient_is_largest():
         assert grad[grown].min() >= grad[~new].max(), "largest dense gradients regrow"
 
 
-def run(tmp_path, stop_at=None, ckpt_path=None, seed=0):
-    L.seed_everything(seed, verbose=False)
-    model = TinyModule(lr=0.05, weight_decay=0.1)
-    callbacks = [SparsityCallback(phases=[PHASE], verbose=False)]
-    if stop_at:
-        callbacks += [
-            StopAt(stop_at),
-            ModelCheckpoint(
-                dirpath=tmp_path, every_n_train_steps=stop_at, filename="{step}"
-            ),
-        ]
-    trainer = fast_trainer(
-        max_steps=12,
-        deterministic=True,
-        callbacks=callbacks,
-        enable_checkpointing=bool(stop_at),
-    )
-    data = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
-    trainer.fit(model, data, ckpt_path=ckpt_path)
-    return model, callbacks[0]
-
-
 @pytest.mark.parametrize("resume_step", [3, 8])
 def test_resume_through_regrowth_is_bitwise_equal(tmp_path, resume_step):
-    reference, ref_cb = run(tmp_path / "ref")
-    run(tmp_path / "ck", stop_at=resume_step)
+    reference, ref_cb = resume_run(tmp_path / "ref", [PHASE])
+    resume_run(tmp_path / "ck", [PHASE], stop_at=resume_step)
     ckpt = tmp_path / "ck" / f"step={resume_step}.ckpt"
-    resumed, cb = run(tmp_path / "resumed", ckpt_path=ckpt, seed=123)
+    resumed, cb = resume_run(tmp_path / "resumed", [PHASE], ckpt_path=ckpt, seed=123)
     expected, got = reference.state_dict(), resumed.state_dict()
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
