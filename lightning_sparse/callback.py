@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_sparse.algorithms import RunLength
+from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
@@ -87,12 +87,13 @@ class SparsityCallback(Callback):
             )
         if phases is None:
             phases = [{"sparsity": sparsity}]
-        if isinstance(phases, (dict, Phase, str)):
+        if not isinstance(phases, Sequence) or isinstance(phases, str):
             raise TypeError(
                 f"phases={phases!r}: give a list of phases, e.g. [{{'sparsity': 0.7}}]"
             )
         self.phases = [Phase.from_any(p, f"phases[{i}]") for i, p in enumerate(phases)]
         validate_phase_list(self.phases)
+        check_phases(self.phases)
         compile_patterns(params, "params")
         compile_patterns(exclude, "exclude")
         self.params = params
@@ -103,12 +104,16 @@ class SparsityCallback(Callback):
             raise ValueError(f"name={name!r}: give the group a non-empty string name")
         self.name = name
         if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
         ):
             raise ValueError(
                 f"log_every_n_steps={log_every_n_steps!r}: use a positive integer"
             )
         self.log_every_n_steps = log_every_n_steps
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose={verbose!r}: use True or False")
         self.verbose = verbose
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
@@ -121,9 +126,9 @@ class SparsityCallback(Callback):
     def from_config(
         cls, config: cerebras.Config, name: str = "sparsity", **kwargs: Any
     ) -> list[SparsityCallback]:
-        """Callbacks from a Cerebras-format ``sparsity:`` block: a dict, a list of groups, or
-        the path of a YAML file (see :mod:`lightning_sparse.formats.cerebras` for the forms and how they
-        translate). One callback per group, named ``name`` (several: ``name_0``, ``name_1``...);
+        """Callbacks from a Cerebras Model Zoo sparsity block: a dict, a list of groups, a whole
+        params file, or the path of a YAML file with either (see
+        :mod:`lightning_sparse.formats.cerebras` for the forms and how they translate). One callback per group, named ``name`` (several: ``name_0``, ``name_1``...);
         ``kwargs`` (``backend``, ``verbose``...) go to every callback.
 
         Example:

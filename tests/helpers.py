@@ -7,10 +7,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_sparse import kernels
+from lightning_sparse import SparsityCallback, kernels
 
 
 class TinyNet(nn.Module):
@@ -243,3 +244,37 @@ def dst_updates(
         results.append(sp.masks["weight"].clone())
     sp.close()
     return [*results, net.weight.detach().clone()]
+
+
+def resume_run(
+    tmp_path: Any,
+    phases: list[dict[str, Any]],
+    stop_at: int | None = None,
+    ckpt_path: Any = None,
+    seed: int = 0,
+) -> tuple[L.LightningModule, Any]:
+    """12 steps of ``phases`` on identical batches (so a resume sees the batches of the
+    uninterrupted run); with ``stop_at``, stop there and checkpoint; with ``ckpt_path``,
+    resume from it. Returns the model and the SparsityCallback."""
+    L.seed_everything(seed, verbose=False)
+    model = TinyModule(lr=0.05, weight_decay=0.1)
+    callbacks = [SparsityCallback(phases=phases, verbose=False)]
+    if stop_at:
+        callbacks += [
+            StopAt(stop_at),
+            ModelCheckpoint(
+                dirpath=tmp_path,
+                every_n_train_steps=stop_at,
+                save_top_k=-1,
+                filename="{step}",
+            ),
+        ]
+    trainer = fast_trainer(
+        max_steps=12,
+        deterministic=True,
+        callbacks=callbacks,
+        enable_checkpointing=bool(stop_at),
+    )
+    loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return model, callbacks[0]

@@ -229,9 +229,9 @@ def test_groups_params_file_and_yaml_path(tmp_path):
             r"sparsity.update: unknown key\(s\) \['every'\]",
         ),
         (
-            {"algorithm": "rigl", "sparsity": 0.9, "update": {"steps": [1, 5]}},
+            {"algorithm": "rigl", "sparsity": 0.9, "update": {"steps": [1, 5, 7]}},
             ValueError,
-            r"update.steps: a list of update steps is not supported",
+            r"update.steps=\[1, 5, 7\]: the update steps are not evenly spaced",
         ),
         (
             {"algorithm": "rigl", "sparsity": 0.9, "balance_in_groups": 4},
@@ -263,7 +263,7 @@ def test_groups_params_file_and_yaml_path(tmp_path):
                 "update": {"freq": 1, "stop": 10},
             },
             ValueError,
-            r"the schedule gives sparsity 1 at the last update \(step 9\)",
+            r"sparsity: the schedule gives sparsity 4.5 at step 9, which prunes every weight",
         ),
         (
             {"algorithm": "static", "sparsity": 0.5, "update": {"freq": 10}},
@@ -326,3 +326,226 @@ def test_pruned_weights_are_zeros_not_nans():
     )
     assert bool(torch.isfinite(model.net.fc1.weight).all())
     assert int((model.net.fc1.weight == 0).sum()) >= 64
+
+
+# -- the layouts and forms the Model Zoo has shipped ---------------------------------------------
+
+RIGL_BLOCK = {
+    "sparsity": 0.75,
+    "init_method": "random",
+    "algorithm": "rigl",
+    "drop_fraction": {"type": "cosine", "init": 0.3, "half_period": 9},
+    "update": {"freq": 3, "stop": 9},
+    "param_filter": ["*fc1.weight", "*fc2.weight"],
+}
+
+
+def params_file(sparsity):
+    """A params file in the layout of release 2.4 and later: everything under ``trainer``, with
+    many keys besides the sparsity block (all of them ignored by the translation)."""
+    return {
+        "trainer": {
+            "init": {
+                "backend": {"backend_type": "CSX"},
+                "model": {"name": "gpt3", "hidden_size": 768, "num_heads": 12},
+                "optimizer": {"AdamW": {"betas": [0.9, 0.95], "weight_decay": 0.1}},
+                "schedulers": [{"LinearLR": {"total_iters": 716}}],
+                "precision": {"enabled": True, "fp16_type": "cbfloat16"},
+                "sparsity": sparsity,
+                "loop": {"max_steps": 4778, "eval_frequency": 956},
+                "checkpoint": {"steps": 956},
+                "logging": {"log_steps": 50},
+                "callbacks": [
+                    {"ScopedTrainFlags": {"csx.performance.micro_batch_size": 8}}
+                ],
+            },
+            "fit": {"train_dataloader": {"data_processor": "GptHDF5MapDataProcessor"}},
+        }
+    }
+
+
+def test_params_file_of_release_2_4_reads_trainer_init_sparsity(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params_file(RIGL_BLOCK)))
+    expected = translate(RIGL_BLOCK)
+    assert translate(path) == translate(str(path)) == expected
+    assert expected[0]["params"] == ["*fc1.weight", "*fc2.weight"]
+    # one trainer in a list of trainers, or one entry of that list passed on its own
+    listed = {"trainer": [params_file(RIGL_BLOCK)]}
+    assert translate(listed) == translate(listed["trainer"][0]) == expected
+    callbacks = SparsityCallback.from_config(path, verbose=False)
+    _, record = train(callbacks, steps=10)
+    assert record.kept[9]["sparsity"] == {"net.fc1.weight": 32, "net.fc2.weight": 64}
+    assert callbacks[0].sparsifier.last_update_step == 6
+
+
+def test_params_file_errors_say_where_the_block_lives():
+    two = {"trainer": [params_file(0.5), params_file(0.7)]}
+    with pytest.raises(
+        ValueError, match=r"lists 2 trainers.*from_config\(params\['trainer'\]\[0\]\)"
+    ):
+        translate(two)
+    assert translate(two["trainer"][1])[0]["phases"] == [
+        {"sparsity": 0.7, "init": "random"}
+    ]
+    with pytest.raises(
+        ValueError, match=r"no sparsity block \(trainer.init.sparsity\)"
+    ):
+        translate(params_file(None))
+    with pytest.raises(
+        TypeError, match=r"'trainer' has no 'init' mapping.*trainer.init.sparsity"
+    ):
+        translate({"trainer": {"fit": {}}})
+    both = {**params_file(0.5), "sparsity": 0.5}
+    with pytest.raises(
+        ValueError, match=r"both a top-level 'sparsity' and a 'trainer'"
+    ):
+        translate(both)
+
+
+V20_RIGL = {
+    "sparsity": 0.75,
+    "init_method": "random",
+    "type": "rigl",
+    "drop_fraction": {"type": "cosine", "init": 0.3, "half_period": 9},
+    "schedule": {"freq": 3, "stop": 9},  # the update schedule in this form
+    "param_name_patterns": [r".*fc1\.weight", r".*fc2\.weight"],
+}
+
+
+def test_release_2_0_form_reads_schedule_as_the_update_schedule():
+    (old,) = translate({"sparsity": V20_RIGL})
+    (new,) = translate(RIGL_BLOCK)
+    assert old["phases"] == new["phases"]
+    assert old["params"] == [r"re:.*fc1\.weight", r"re:.*fc2\.weight"]
+    _, record = train(SparsityCallback.from_config(V20_RIGL, verbose=False), steps=10)
+    assert record.kept[9]["sparsity"] == {"net.fc1.weight": 32, "net.fc2.weight": 64}
+    static = {"type": "static", "sparsity": 0.5, "param_name_patterns": "fc2"}
+    assert translate(static)[0]["phases"] == [{"sparsity": 0.5, "init": "random"}]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [{"freq": 4, "stop": 9}, 4, [0, 4, 8], {"steps": [8, 0, 4]}],
+    ids=["grid", "frequency", "steps", "steps-mapping"],
+)
+def test_update_schedules_of_every_form_give_one_grid(schedule):
+    base = {"type": "set", "sparsity": 0.5, "schedule": schedule}
+    (phase,) = translate(base)[0]["phases"]
+    stop = 1.0 if schedule == 4 else 8
+    assert (phase["update_every"], phase.get("update_start", 0)) == (4, 0)
+    assert phase["update_stop"] == stop
+    current = {"algorithm": "set", "sparsity": 0.5, "update": schedule}
+    assert translate(current)[0]["phases"] == [phase]
+
+
+def test_release_2_0_sparsity_schedule_and_per_pattern_settings():
+    config = {
+        "type": "gmp",
+        "param_name_patterns": {
+            r"fc1\.weight": {"sparsity_schedule": [[0, 0.5], [4, 0.25], [8, 0.75]]},
+            r"fc2\.weight": {
+                "sparsity": [0.5, 0.75],
+                "schedule": {"freq": 4, "stop": 9},
+            },
+        },
+    }
+    first, second = translate(config)
+    assert first["phases"] == [
+        {
+            "sparsity": 0.75,
+            "algorithm": "gmp",
+            "init": "random",
+            "ramp": [0.5, 0.25, 0.75],
+            "update_every": 4,
+            "update_stop": 8,
+        }
+    ]
+    assert second["phases"][0]["ramp"] == [0.5, 0.75]
+    assert second["exclude"] == [r"re:fc1\.weight"]
+    _, record = train(SparsityCallback.from_config(config, verbose=False), steps=10)
+    fc1 = [record.kept[s]["sparsity_0"]["net.fc1.weight"] for s in (0, 4, 8, 9)]
+    fc2 = [record.kept[s]["sparsity_1"]["net.fc2.weight"] for s in (0, 4, 8, 9)]
+    assert fc1 == [num_kept(128, v) for v in (0.5, 0.25, 0.75, 0.75)]
+    assert fc2 == [num_kept(256, v) for v in (0.5, 0.75, 0.5, 0.5)]
+
+
+def cstorch_targets(schedule, freq, stop, steps):
+    """The sparsity cstorch's GMP applies at each step: the schedule's value at the mask
+    choices (step 0 and each update ``j * freq < stop``, the ``j``-th one cycling to
+    ``values[j % len]``), clamped to [0, 1], held between choices."""
+    value = parse_step_value(schedule)
+    held, targets = None, {}
+    for step in range(steps):
+        if step % freq == 0 and step < stop:
+            held = min(1.0, max(0.0, value(step, step // freq)))
+        targets[step] = held
+    return targets
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        [0.3, 0.4, 0.5],  # the Group example of the Cerebras docs
+        {"type": "cycling", "values": [0.5, 0.25]},
+        {"type": "linear", "init": 0.9, "slope": -0.05},
+        {"type": "cosine", "init": 0.6, "half_period": 4, "minimum": 0.2},
+        {"type": "linear", "init": 0.1, "slope": 0.05},
+    ],
+    ids=["list", "cycling", "negative-slope", "cosine", "increasing"],
+)
+def test_gmp_follows_every_schedule_as_cstorch_evaluates_it(schedule):
+    config = {
+        "algorithm": "gmp",
+        "sparsity": schedule,
+        "update": {"freq": 2, "stop": 11},
+    }
+    _, record = train(SparsityCallback.from_config(config, verbose=False), steps=14)
+    targets = cstorch_targets(schedule, 2, 11, 14)
+    for step, kept in record.kept.items():
+        expected = {"net.fc1.weight": 128, "net.fc2.weight": 256}
+        assert kept["sparsity"] == {
+            name: num_kept(numel, targets[step]) for name, numel in expected.items()
+        }, step
+    distinct = {tuple(k["sparsity"].values()) for k in record.kept.values()}
+    assert len(distinct) == len({num_kept(256, t) for t in targets.values()}) > 1
+
+
+def test_keys_of_one_form_in_another_name_the_key_to_use():
+    with pytest.raises(
+        ValueError, match=r"'update' is a key of the current form.*calls it 'schedule'"
+    ):
+        translate({**V20_RIGL, "update": {"freq": 3}})
+    with pytest.raises(
+        ValueError, match=r"'algorithm' is a key of the current form.*calls it 'type'"
+    ):
+        translate({"algorithm": "rigl", "sparsity": 0.9, "schedule": {"freq": 3}})
+    with pytest.raises(
+        ValueError, match=r"'param_filter' is a key.*calls it 'param_name_patterns'"
+    ):
+        translate({"type": "rigl", "sparsity": 0.9, "schedule": 3, "param_filter": "*"})
+    with pytest.raises(ValueError, match=r"the 2.0-2.1 form needs 'type'"):
+        translate(
+            {"sparsity": 0.9, "schedule": {"freq": 3}, "param_name_patterns": "fc"}
+        )
+    with pytest.raises(
+        ValueError, match=r"'sparsity_schedule' gives both.*remove 'sparsity'"
+    ):
+        translate(
+            {"type": "gmp", "sparsity": 0.5, "sparsity_schedule": [[0, 0.5], [4, 0.6]]}
+        )
+    with pytest.raises(ValueError, match=r"schedule=\[3\]: a single update step"):
+        translate({"type": "gmp", "sparsity": [0.5], "schedule": [3]})
+    with pytest.raises(ValueError, match=r"param_name_patterns: '\(' is not a regex"):
+        translate({"type": "static", "sparsity": 0.5, "param_name_patterns": "("})
+
+
+def test_schedule_alone_is_the_current_forms_alias_of_sparsity():
+    ramp = {"type": "linear", "init": 0.1, "slope": 0.05}
+    alias = {"algorithm": "gmp", "schedule": ramp, "update": {"freq": 2, "stop": 9}}
+    named = {"algorithm": "gmp", "sparsity": ramp, "update": {"freq": 2, "stop": 9}}
+    assert translate(alias) == translate(named)
+    with pytest.raises(
+        ValueError, match=r"sparsity.schedule.slope=nan is not a finite number"
+    ):
+        translate({**alias, "schedule": {**ramp, "slope": float("nan")}})

@@ -95,10 +95,7 @@ class GrowByGradient(DropAndGrow):
 
 
 def test_unregistered_name_lists_the_known_ones():
-    cb = SparsityCallback(
-        phases=[{"sparsity": 0.5, "algorithm": "nope"}], verbose=False
-    )
     with pytest.raises(
         ValueError, match=r"algorithm='nope' is not a registered algorithm"
     ):
-        fast_trainer(max_steps=2, callbacks=[cb]).fit(TinyModule(), random_loader())
+        SparsityCallback(phases=[{"sparsity": 0.5, "algorithm": "nope"}], verbose=False)

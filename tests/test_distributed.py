@@ -35,6 +35,16 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
         True,
     ),
     ("gmp", {"sparsity": 0.7, "algorithm": "gmp", "update_every": 1}, True),
+    (  # 0.6, then 0.3 (regrowth by the dense gradient), then 0.5
+        "gmp falling",
+        {
+            "sparsity": 0.6,
+            "algorithm": "gmp",
+            "update_every": 1,
+            "ramp": [0.6, 0.3, 0.5],
+        },
+        True,
+    ),
     ("static random", {"sparsity": 0.6, "init": "random", "seed": 7}, False),
     ("runtime 2:4", {"sparsity": "2:4"}, True),
     (

@@ -96,3 +96,19 @@ def test_init_names_from_zeros_among_its_choices():
     assert Phase(sparsity=0.5, init="from_zeros").init == "from_zeros"
     with pytest.raises(ValueError, match=r"init='zeros'.*'from_zeros'"):
         Phase(sparsity=0.5, init="zeros")
+
+
+@pytest.mark.parametrize("nonzero", [0, 1])
+def test_the_suggestion_for_a_nearly_or_wholly_zero_weight_is_valid(nonzero):
+    weight = torch.zeros(4, 5000)
+    weight[0, :nonzero] = 1.0
+    with pytest.raises(ValueError, match=r"init='from_zeros': parameter 'w'") as err:
+        from_zeros_mask(weight, 0.5, "w")
+    message = str(err.value)
+    assert "at least 1.0" not in message
+    if nonzero == 0:
+        assert "every weight is zero" in message and "init='topk'" in message
+        return
+    fits = float(message.split("sparsity of at least ")[1].split(" ")[0])
+    assert fits < 1.0
+    assert int(from_zeros_mask(weight, fits, "w").sum()) == nonzero

@@ -1,5 +1,7 @@
 """Mask algorithms and their registry. Importing this package registers the built-in ones."""
 
+from collections.abc import Sequence
+
 from lightning_sparse.algorithms.base import (
     UNKNOWN_RUN,
     MaskContext,
@@ -14,7 +16,7 @@ from lightning_sparse.algorithms.gmp import GradualMagnitudePruning
 from lightning_sparse.algorithms.magnitude import Magnitude
 from lightning_sparse.algorithms.runtime import Runtime
 from lightning_sparse.algorithms.static import Static
-from lightning_sparse.core.schedule import ResolvedPhase
+from lightning_sparse.core.schedule import Phase, ResolvedPhase
 
 
 def build_algorithm(
@@ -23,6 +25,18 @@ def build_algorithm(
     """Instantiate the algorithm a (sparse) phase names, validating its options."""
     cls = algorithm_class(phase.spec.algorithm, f"phases[{phase.index}].algorithm")
     return cls(phase, run)
+
+
+def check_phases(phases: Sequence[Phase]) -> None:
+    """Check every sparse phase's algorithm name and options (types, ranges, which options
+    apply) without the run length, as :class:`~lightning_sparse.SparsityCallback` does when it
+    is built; errors name the phase and the option."""
+    for i, phase in enumerate(phases):
+        if not phase.is_dense:
+            where = f"phases[{i}]"
+            algorithm_class(phase.algorithm, f"{where}.algorithm").validate(
+                phase, where
+            )
 
 
 __all__ = [
@@ -38,6 +52,7 @@ __all__ = [
     "Static",
     "algorithm_class",
     "build_algorithm",
+    "check_phases",
     "register_algorithm",
     "registered_algorithms",
 ]

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.algorithms.distributions import check_distribution, spread
-from lightning_sparse.core.schedule import ResolvedPhase, parse_boundary
+from lightning_sparse.core.schedule import Phase, ResolvedPhase, parse_boundary
 from lightning_sparse.masks import (
     NM,
     Sparsity,
@@ -137,23 +137,32 @@ class SparsityAlgorithm:
         if "select" in own and "custom_select" not in own:
             cls.custom_select = True
 
-    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
-        spec = phase.spec
-        where = f"phases[{phase.index}]"
-        allowed = self.option_names | (
-            {"update_every", "update_start", "update_stop"} if self.dynamic else set()
+    @classmethod
+    def validate(cls, spec: Phase, where: str) -> None:
+        """Check ``spec``'s options for this algorithm (which apply, their types and ranges)
+        without the run length: :class:`~lightning_sparse.SparsityCallback` calls it when it is
+        built, so a mistake surfaces before ``fit``; ``__init__`` calls it again. A subclass
+        with options of its own extends it (calling ``super().validate``)."""
+        allowed = cls.option_names | (
+            {"update_every", "update_start", "update_stop"} if cls.dynamic else set()
         )
         for option in spec.explicit_options():
             if option not in allowed:
                 raise ValueError(
-                    f"{where}: option {option!r} does nothing for algorithm {self.name!r}; "
+                    f"{where}: option {option!r} does nothing for algorithm {cls.name!r}; "
                     f"it accepts {sorted(allowed)}"
                 )
-        if isinstance(phase.target, NM) and not self.supports_nm:
+        if isinstance(spec.target, NM) and not cls.supports_nm:
             raise ValueError(
-                f"{where}: algorithm {self.name!r} does not support N:M sparsity "
-                f"({phase.target}); use a float sparsity or another algorithm"
+                f"{where}: algorithm {cls.name!r} does not support N:M sparsity "
+                f"({spec.target}); use a float sparsity or another algorithm"
             )
+        check_distribution(spec.distribution, spec.target, where)
+
+    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
+        spec = phase.spec
+        where = f"phases[{phase.index}]"
+        self.validate(spec, where)
         self.distribution = check_distribution(spec.distribution, phase.target, where)
         self.phase = phase
         self.seed = spec.seed if spec.seed is not None else 0

@@ -105,7 +105,7 @@ DISTRIBUTIONS: dict[str, Callable[[float, Shapes, Score | None], dict[str, float
 def check_distribution(name: object, target: Sparsity, where: str) -> str:
     """Validate a phase's ``distribution`` (``None`` means ``uniform``)."""
     name = "uniform" if name is None else name
-    if name not in DISTRIBUTIONS:
+    if not isinstance(name, str) or name not in DISTRIBUTIONS:
         raise ValueError(
             f"{where}: distribution={name!r} is not available; use one of {sorted(DISTRIBUTIONS)}"
         )

@@ -43,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -57,8 +57,12 @@ from lightning_sparse.algorithms.base import (
     register_algorithm,
 )
 from lightning_sparse.algorithms.regrowth import AtRandom, ByScore, Regrowth, Select
-from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
-from lightning_sparse.core.schedule import ResolvedPhase
+from lightning_sparse.algorithms.step_values import (
+    StepValue,
+    is_schedule,
+    parse_step_value,
+)
+from lightning_sparse.core.schedule import Phase, ResolvedPhase
 from lightning_sparse.masks import (
     NM,
     Sparsity,
@@ -165,24 +169,21 @@ class DropAndGrow(SparsityAlgorithm):
                 False  # a subclass with its own scores regrows by them
             )
 
-    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
-        super().__init__(phase, run)
-        where = f"phases[{phase.index}]"
-        spec = phase.spec
+    @classmethod
+    def validate(cls, spec: Phase, where: str) -> None:
+        super().validate(spec, where)
         value = (
-            self.default_drop_fraction
+            cls.default_drop_fraction
             if spec.drop_fraction is None
             else spec.drop_fraction
         )
-        self.drop_schedule: StepValue | None = None
-        self.decay = spec.drop_fraction_decay or "cosine"
-        if isinstance(value, (Mapping, Sequence)) and not isinstance(value, str):
+        if is_schedule(value):
             if spec.drop_fraction_decay is not None:
                 raise ValueError(
                     f"{where}: drop_fraction_decay does nothing when drop_fraction is a "
                     f"schedule (the schedule gives the fraction at every step): remove it"
                 )
-            self.drop_schedule = parse_step_value(value, f"{where}.drop_fraction")
+            parse_step_value(value, f"{where}.drop_fraction")
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(
@@ -194,11 +195,27 @@ class DropAndGrow(SparsityAlgorithm):
                 f"{where}: drop_fraction={value!r} is the fraction of active weights swapped "
                 f"at each update, so it must be in [0, 1] (0.3 is the usual choice)"
             )
-        self.drop_fraction = float(value)
-        if self.decay not in DECAYS:
+        decay = spec.drop_fraction_decay or "cosine"
+        if not isinstance(decay, str) or decay not in DECAYS:
             raise ValueError(
-                f"{where}: drop_fraction_decay={self.decay!r}; use one of {sorted(DECAYS)}"
+                f"{where}: drop_fraction_decay={decay!r}; use one of {sorted(DECAYS)}"
             )
+
+    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
+        super().__init__(phase, run)
+        where = f"phases[{phase.index}]"
+        spec = phase.spec
+        value = (
+            self.default_drop_fraction
+            if spec.drop_fraction is None
+            else spec.drop_fraction
+        )
+        self.drop_schedule: StepValue | None = None
+        self.decay = spec.drop_fraction_decay or "cosine"
+        if is_schedule(value):
+            self.drop_schedule = parse_step_value(value, f"{where}.drop_fraction")
+            return
+        self.drop_fraction = float(value)
         if self.decay != "constant" and self.update_stop is None:
             raise ValueError(
                 f"{where}: the phase has no known end, so drop_fraction cannot decay to zero "

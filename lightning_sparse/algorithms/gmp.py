@@ -1,10 +1,9 @@
 """``gmp``: gradual magnitude pruning (Zhu & Gupta, 2017) with a cubic, linear or cosine ramp,
-or the sparsity given step by step as a schedule (the Cerebras form)."""
+or the sparsity given step by step as a schedule (the Cerebras form), which may also go down."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
@@ -15,9 +14,14 @@ from lightning_sparse.algorithms.base import (
     SparsityAlgorithm,
     register_algorithm,
 )
-from lightning_sparse.algorithms.step_values import StepValue, parse_step_value
-from lightning_sparse.core.schedule import ResolvedPhase, parse_sparsity
-from lightning_sparse.masks import Sparsity, num_kept, prune_smallest_
+from lightning_sparse.algorithms.regrowth import AtRandom, ByScore, Regrowth
+from lightning_sparse.algorithms.step_values import (
+    StepValue,
+    is_schedule,
+    parse_step_value,
+)
+from lightning_sparse.core.schedule import Phase, ResolvedPhase, parse_sparsity
+from lightning_sparse.masks import NM, Sparsity, num_kept, prune_smallest_
 from lightning_sparse.masks.elementwise import count_true
 
 RAMPS = {
@@ -33,11 +37,20 @@ class GradualMagnitudePruning(SparsityAlgorithm):
 
     The ramp runs from ``update_start`` (default: phase start) to ``update_stop`` (default: 75%
     of the way through the phase), pruning the smallest surviving weights every ``update_every``
-    steps; pruned weights never come back. ``ramp`` is ``"cubic"`` (default), ``"linear"`` or
-    ``"cosine"``, or a schedule that gives the sparsity at each optimizer step (a mapping such as
-    ``{"type": "linear", "init": 0.0, "slope": 0.001}``, see
-    :mod:`~lightning_sparse.algorithms.step_values`); the phase's ``sparsity`` then caps the
-    schedule and holds from ``update_stop`` on.
+    steps. ``ramp`` is ``"cubic"`` (default), ``"linear"`` or ``"cosine"``, or a schedule that
+    gives the sparsity of every mask choice (a mapping such as
+    ``{"type": "linear", "init": 0.0, "slope": 0.001}`` or a list to cycle through, see
+    :mod:`~lightning_sparse.algorithms.step_values`): the phase start and each update use the
+    schedule's value there, clamped to ``[0, sparsity]`` (the phase's ``sparsity`` is its
+    ceiling), and from ``update_stop`` on the value chosen at ``update_stop`` holds.
+
+    A schedule may go down (a list that cycles, ``cycling``, ``cosine``, a ``linear`` with a
+    negative slope). An update that lowers the sparsity regrows pruned weights: they restart at
+    zero with zeroed optimizer state, and the survivors all stay. The regrown entries are those
+    with the largest dense gradient magnitude (ties: the lower flat index), the gradient the
+    update step sees (accumulated, all-reduced, unscaled), so every rank and every resumed run
+    regrows the same ones; a parameter without a gradient at that step regrows uniformly at
+    random from the phase's ``seed``, its name and the step.
 
     Example:
         >>> from lightning_sparse.core.schedule import Phase, resolve_phases
@@ -54,33 +67,39 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     option_names = SparsityAlgorithm.option_names | {"ramp", "initial_sparsity"}
     default_update_stop_fraction = 0.75
 
+    @classmethod
+    def validate(cls, spec: Phase, where: str) -> None:
+        super().validate(spec, where)
+        ramp = spec.ramp or "cubic"
+        if is_schedule(ramp):
+            parse_step_value(ramp, f"{where}.ramp")
+            if spec.initial_sparsity is not None:
+                raise ValueError(
+                    f"{where}: initial_sparsity does nothing when ramp is a schedule (the "
+                    f"schedule gives the sparsity at every step): remove it"
+                )
+            return
+        if not isinstance(ramp, str) or ramp not in RAMPS:
+            raise ValueError(
+                f"{where}: ramp={ramp!r}; use one of {sorted(RAMPS)} or a schedule "
+                f"mapping such as {{'type': 'linear', 'init': 0.0, 'slope': 0.001}}"
+            )
+        initial = _initial(spec, where)
+        if initial >= float(spec.target):
+            raise ValueError(
+                f"{where}: initial_sparsity={initial} must be below the target "
+                f"sparsity={spec.target} (gmp ramps up to it)"
+            )
+
     def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
         super().__init__(phase, run)
         where = f"phases[{phase.index}]"
         spec = phase.spec
         self.ramp = spec.ramp or "cubic"
         self.schedule: StepValue | None = None
-        if isinstance(self.ramp, (Mapping, Sequence)) and not isinstance(
-            self.ramp, str
-        ):
+        if is_schedule(self.ramp):
             self.schedule = parse_step_value(self.ramp, f"{where}.ramp")
-            if spec.initial_sparsity is not None:
-                raise ValueError(
-                    f"{where}: initial_sparsity does nothing when ramp is a schedule (the "
-                    f"schedule gives the sparsity at every step): remove it"
-                )
-        elif self.ramp not in RAMPS:
-            raise ValueError(
-                f"{where}: ramp={self.ramp!r}; use one of {sorted(RAMPS)} or a schedule "
-                f"mapping such as {{'type': 'linear', 'init': 0.0, 'slope': 0.001}}"
-            )
-        initial = spec.initial_sparsity if spec.initial_sparsity is not None else 0.0
-        self.initial = float(parse_sparsity(initial, f"{where}.initial_sparsity"))
-        if self.schedule is None and self.initial >= float(phase.target):
-            raise ValueError(
-                f"{where}: initial_sparsity={self.initial} must be below the target "
-                f"sparsity={phase.target} (gmp ramps up to it)"
-            )
+        self.initial = _initial(spec, where)
         if self.update_stop is None:
             raise ValueError(
                 f"{where}: the phase has no known end, so gmp cannot place its ramp: set "
@@ -90,8 +109,7 @@ class GradualMagnitudePruning(SparsityAlgorithm):
     def target_at(self, step: int) -> Sparsity:
         final = float(self.phase.target)
         if self.schedule is not None:
-            if step >= self.update_stop:
-                return final
+            step = min(step, self.update_stop)  # the last update's choice holds
             return min(final, max(0.0, self.schedule(step, self.update_index(step))))
         start, stop = self.update_start, self.update_stop
         if step <= start or stop == start:
@@ -101,25 +119,42 @@ class GradualMagnitudePruning(SparsityAlgorithm):
             self.ramp
         ](progress)
 
+    def regrowth(self, ctx: MaskContext) -> Regrowth:
+        """Where an update that lowers the sparsity regrows (see the class docstring)."""
+        if ctx.grad is None:
+            return AtRandom(self.seed, ctx.name, ctx.step)
+        return ByScore(ctx.grad, magnitude=True)
+
     def update_mask(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
+        new = mask.clone()
+        self.update_mask_(weight, new, target, ctx)
+        return new
+
+    def update_mask_(
+        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
+    ) -> Tensor | None:
+        if not self.updates_in_place:
+            return super().update_mask_(weight, mask, target, ctx)
         kept = num_kept(mask.numel(), float(target))
         active = count_true(mask)
         if (
             kept <= active
         ):  # pruning further: drop the smallest survivors (the usual case)
-            survivors = mask.clone()
-            prune_smallest_(weight, survivors, active - kept, active)
-            return survivors
-        # a schedule that goes down: pruned weights score -1, so they come back last
-        return self.select(self.selection_score(weight, mask, ctx), target)
+            return prune_smallest_(weight, mask, active - kept, active)
+        grown = self.regrowth(ctx).pick(mask, kept - active)
+        mask |= grown
+        return grown
 
-    def update_mask_(
-        self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext
-    ) -> Tensor | None:
-        kept = num_kept(mask.numel(), float(target))
-        active = count_true(mask)
-        if not self.updates_in_place or kept > active:
-            return super().update_mask_(weight, mask, target, ctx)
-        return prune_smallest_(weight, mask, active - kept, active)
+
+def _initial(spec: Phase, where: str) -> float:
+    """The phase's ``initial_sparsity`` as a float (default 0)."""
+    value = 0.0 if spec.initial_sparsity is None else spec.initial_sparsity
+    initial = parse_sparsity(value, f"{where}.initial_sparsity")
+    if isinstance(initial, NM):
+        raise TypeError(
+            f"{where}.initial_sparsity={value!r}: gmp ramps a fraction of weights, so use a "
+            f"float in [0, 1) such as 0.2"
+        )
+    return initial

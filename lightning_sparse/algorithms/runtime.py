@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_sparse.algorithms.base import SparsityAlgorithm, register_algorithm
+from lightning_sparse.core.schedule import Phase
 from lightning_sparse.masks import NM
 from lightning_sparse.masks.tiles import has_4x4_tiles, transposable_2to4_mask
 
@@ -31,14 +32,19 @@ class Runtime(SparsityAlgorithm):
     projects = True
     option_names = frozenset()
 
+    @classmethod
+    def validate(cls, spec: Phase, where: str) -> None:
+        super().validate(spec, where)
+        if not isinstance(spec.target, NM):
+            raise TypeError(
+                f"{where}: algorithm 'runtime' projects to an N:M pattern, but "
+                f"sparsity={spec.target}; use sparsity: '2:4', or algorithm 'magnitude' "
+                f"(update_every: 1) for unstructured straight-through sparsity"
+            )
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.phase.target, NM):
-            raise TypeError(
-                f"phases[{self.phase.index}]: algorithm 'runtime' projects to an N:M pattern, "
-                f"but sparsity={self.phase.target}; use sparsity: '2:4', or algorithm "
-                f"'magnitude' (update_every: 1) for unstructured straight-through sparsity"
-            )
+        assert isinstance(self.phase.target, NM)
         self._target: NM = self.phase.target
 
     def project(self, weight: Tensor) -> Tensor:

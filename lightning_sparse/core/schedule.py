@@ -21,6 +21,7 @@ from typing import Any, Literal
 from lightning_sparse.masks import NM, Sparsity, describe
 
 _NM_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+_INT_RE = re.compile(r"^\s*[-+]?\d+\s*$")
 _BOUNDARY_RE = re.compile(
     r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>%|steps?|epochs?|ep|)\s*$",
     re.IGNORECASE,
@@ -61,6 +62,11 @@ def parse_sparsity(value: Any, where: str = "sparsity") -> Sparsity:
             f"{where}={value!r} has type {type(value).__name__}: use a float in [0, 1) "
             f"or an 'N:M' string such as '2:4'"
         )
+    if not math.isfinite(value):
+        raise ValueError(
+            f"{where}={value!r} is not a finite number: use a float in [0, 1) such as 0.7 "
+            f"(fraction of weights pruned) or an 'N:M' pattern such as '2:4'"
+        )
     if not 0.0 <= value < 1.0:
         raise ValueError(
             f"{where}={value!r} is outside [0, 1): it is the fraction of weights pruned, "
@@ -68,6 +74,26 @@ def parse_sparsity(value: Any, where: str = "sparsity") -> Sparsity:
             f"{_base60_hint(value)}"
         )
     return float(value)
+
+
+def parse_int(value: Any, where: str, minimum: int | None = None) -> int:
+    """Parse a whole-number option (``seed``, ``update_every``): an int, or a string of digits
+    such as ``'1'`` (as YAML or a command line may pass it), which counts as the number.
+
+    >>> parse_int("7", "seed"), parse_int(100, "update_every", minimum=1)
+    (7, 100)
+    """
+    if isinstance(value, str) and _INT_RE.match(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{where}={value!r} has type {type(value).__name__}: use an integer such as "
+            f"{max(minimum or 0, 1)} (a string of digits such as '1' counts as the number)"
+        )
+    if minimum is not None and value < minimum:
+        wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{where}={value!r}: use {wanted}")
+    return value
 
 
 def _base60_hint(value: float) -> str:
@@ -127,6 +153,10 @@ def parse_boundary(value: Any, where: str = "until") -> Boundary:
             )
         return Boundary("steps", float(value), value)
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{where}={value!r} is not a finite number: use {_BOUNDARY_FORMS}"
+            )
         if not 0.0 < value <= 1.0:
             hint = (
                 f" (for a step count write {int(value)} or '{int(value)} steps')"
@@ -172,8 +202,10 @@ class Phase:
             Default: ``"static"`` for a float sparsity, ``"runtime"`` for N:M when available.
         init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``, or
             ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model).
-        seed: seed for random choices; derived per parameter name, so identical on every rank.
-        update_every: optimizer steps between mask updates (dynamic algorithms).
+        seed: seed for random choices (a whole number; a string of digits such as ``'1'``
+            counts as the number); derived per parameter name, so identical on every rank.
+        update_every: optimizer steps between mask updates (dynamic algorithms); a whole
+            number of at least 1 (a string of digits counts as the number).
         update_start: where updates start (same forms as ``until``); default: phase start.
         update_stop: where updates stop (same forms as ``until``); default: algorithm-specific.
         drop_fraction: fraction of active weights swapped per update (``set``, ``rigl``), or a
@@ -216,14 +248,15 @@ class Phase:
                 f"init={self.init!r}: use 'topk' (largest magnitude), 'random' or 'from_zeros' "
                 f"(keep the weight's existing zeros pruned)"
             )
-        for name in ("update_every",):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(
-                    f"{name}={value!r}: use a positive integer number of optimizer steps"
-                )
+        if self.seed is not None:
+            self.seed = parse_int(self.seed, "seed")
+        if self.update_every is not None:
+            self.update_every = parse_int(self.update_every, "update_every", minimum=1)
+        if not isinstance(self.options, dict):
+            raise TypeError(
+                f"options={self.options!r}: give a custom algorithm's options as a dict "
+                f"such as {{'my_option': 1}}"
+            )
         for name in ("update_start", "update_stop"):
             if getattr(self, name) is not None:
                 parse_boundary(getattr(self, name), name)
@@ -258,7 +291,7 @@ class Phase:
                 f"or a lightning_sparse.Phase"
             )
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(map(str, set(value) - known))
         if unknown:
             raise ValueError(
                 f"{where}: unknown key(s) {unknown}; a phase accepts {sorted(known)} "

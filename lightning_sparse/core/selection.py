@@ -110,6 +110,10 @@ def compile_patterns(
         return []
     if isinstance(patterns, str):
         patterns = [patterns]
+    if not isinstance(patterns, Sequence):
+        raise TypeError(
+            f"{where}={patterns!r}: give a glob string, 're:<regex>', or a list of them"
+        )
     return [_Pattern(p, f"{where}[{i}]") for i, p in enumerate(patterns)]
 
 

@@ -105,7 +105,6 @@ def from_zeros_mask(
     if not bool((mask & ~nonzero).any()):
         return mask
     zeros = int((~nonzero).sum())
-    fits = math.ceil(zeros / weight.numel() * 1e4) / 1e4
     if isinstance(target, NM):
         crowded = nm_groups(~nonzero, target.m).sum(-1) > target.m - target.n
         detail = (
@@ -117,7 +116,26 @@ def from_zeros_mask(
             f"{zeros} of its {weight.numel()} weights are zero, more than the target "
             f"{describe(target)} prunes"
         )
-    raise ValueError(
-        f"init='from_zeros': parameter {name!r}: {detail}; use a sparsity of at least {fits} "
-        f"(for gmp: initial_sparsity), or init='topk' to choose the mask by magnitude"
-    )
+    if zeros == weight.numel():
+        fix = (
+            "every weight is zero, so no sparsity below 1 keeps them pruned: use "
+            "init='topk' or init='random', or exclude the parameter"
+        )
+    else:
+        fix = (
+            f"use a sparsity of at least {_fitting_sparsity(zeros, weight.numel())} (for "
+            f"gmp: initial_sparsity), or init='topk' to choose the mask by magnitude"
+        )
+    raise ValueError(f"init='from_zeros': parameter {name!r}: {detail}; {fix}")
+
+
+def _fitting_sparsity(zeros: int, numel: int) -> float:
+    """The shortest decimal sparsity below 1 (4 digits or more) that prunes at least ``zeros``
+    of ``numel`` weights (``0 < numel - zeros``)."""
+    digits = 4
+    while True:
+        scale = 10**digits
+        fits = math.ceil(zeros * scale / numel) / scale
+        if fits < 1.0 and num_kept(numel, fits) <= numel - zeros:
+            return fits
+        digits += 1
