@@ -539,7 +539,8 @@ class Sparsifier:
             weight = t.param.detach()
             mask = self.current_mask(t)
             nonzero = weight.ne(0) if mask is None else weight.ne(0) & mask
-            zeros += weight.numel() - int(nonzero.sum())
+            # a sharded sum is partial (each rank's part): gathered, it is the whole count
+            zeros += weight.numel() - int(gather_full(nonzero.sum()))
             total += weight.numel()
         return zeros / total if total else 0.0
 
@@ -549,7 +550,7 @@ class Sparsifier:
         for t in self.targets:
             mask = self.current_mask(t)
             nonzero = t.param.ne(0) if mask is None else t.param.ne(0) & mask
-            result[t.name] = 1.0 - float(nonzero.float().mean())
+            result[t.name] = 1.0 - float(gather_full(nonzero.float().mean()))
         return result
 
     # -- checkpoints ----------------------------------------------------------------------------
