@@ -186,15 +186,11 @@ class SparsityAlgorithm:
         """The phase options this algorithm reads: :attr:`option_names`, the update window of
         a dynamic one, and ``decay`` for a straight-through one (its pruned weights stay
         stored, so the engine can pull them toward zero; a hard mask stores zeros)."""
-        return (
-            cls.option_names
-            | (
-                {"update_every", "update_start", "update_stop"}
-                if cls.dynamic
-                else set()
-            )
-            | ({"decay"} if cls.straight_through else set())
+        window = (
+            {"update_every", "update_start", "update_stop"} if cls.dynamic else set()
         )
+        decay = {"decay"} if cls.straight_through else set()
+        return cls.option_names | window | decay
 
     @staticmethod
     def _resolve(
