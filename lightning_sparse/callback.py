@@ -24,6 +24,7 @@ from lightning_sparse.core.selection import (
     empty_selection_message,
     select_parameters,
 )
+from lightning_sparse.engine.flips import FlipRate
 from lightning_sparse.engine.report import plan_table, summary
 from lightning_sparse.engine.sparsifier import PhaseChange, Sparsifier
 from lightning_sparse.formats import cerebras
@@ -47,7 +48,8 @@ class SparsityCallback(Callback):
         name: the group's name; it keys the logs and the checkpoint state (``state_key``), so
             several callbacks (groups) need distinct names (Lightning refuses two callbacks with
             one ``state_key`` when the Trainer is built) and disjoint parameters.
-        log_every_n_steps: how often target/actual sparsity go to the loggers (default: the
+        log_every_n_steps: how often target/actual sparsity and the flip rate (the fraction of
+            mask entries the last optimizer step changed) go to the loggers (default: the
             trainer's ``log_every_n_steps``).
         verbose: print the plan table at fit start and a summary at the end.
         verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
@@ -121,6 +123,7 @@ class SparsityCallback(Callback):
         self._active = False
         self._last_logged_step = -1
         self._shown: int | None = None  # the phase number in the progress bar
+        self.flips = FlipRate()
 
     @classmethod
     def from_config(
@@ -155,6 +158,7 @@ class SparsityCallback(Callback):
         self.sparsifier = None
         self.selection = None
         self._active = False
+        self.flips = FlipRate()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
@@ -257,8 +261,17 @@ class SparsityCallback(Callback):
         batch_idx: int,
     ) -> None:
         assert self.sparsifier is not None
-        change = self.sparsifier.on_step_start(trainer.global_step, trainer.optimizers)
+        step = trainer.global_step
+        change = self.sparsifier.on_step_start(step, trainer.optimizers)
         self._report_change(trainer, change)
+        # only a logged step keeps a copy of its masks, from its first micro-batch to its end,
+        # to count what it changed (for the loggers and the summary)
+        if (
+            step % self._every(trainer) == 0
+            and step != self.flips.snapshot_step
+            and (trainer.loggers or self.verbose)
+        ):
+            self.flips.snapshot(self.sparsifier, step)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -289,9 +302,17 @@ class SparsityCallback(Callback):
                 on_epoch=False,
             )
         step = trainer.global_step
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        if step != self._last_logged_step and step % every == 0:
+        if self.flips.pending and step > self.flips.snapshot_step:  # the step is done
+            rate = self.flips.measure(self.sparsifier)
+            if rate is not None:
+                flips = {f"sparsity/{self.name}/flip_rate": rate}
+                for logger in trainer.loggers:
+                    logger.log_metrics(flips, step=self.flips.snapshot_step)
+        if step != self._last_logged_step and step % self._every(trainer) == 0:
             self._log_sparsity(trainer, step)
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps or trainer.log_every_n_steps
 
     def _log_sparsity(self, trainer: pl.Trainer, step: int) -> None:
         assert self.sparsifier is not None
@@ -321,13 +342,13 @@ class SparsityCallback(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sparsifier is not None and self.verbose:
-            rank_zero_info(summary(self.sparsifier, trainer.global_step))
+            rank_zero_info(summary(self.sparsifier, trainer.global_step, self.flips))
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self.sparsifier is None or not self._active:
             return dict(self._pending_state or {})
-        return self.sparsifier.state_dict()
+        return {**self.sparsifier.state_dict(), "flip_rate": self.flips.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # the rest is checked when the masks are restored, once the targets are known
@@ -337,6 +358,7 @@ class SparsityCallback(Callback):
                 f"{type(state_dict).__name__}, not a dict; the checkpoint is damaged or was not "
                 f"written by SparsityCallback"
             )
+        self.flips.load_state_dict(state_dict.get("flip_rate"), f"[{self.name}]")
         self._pending_state = dict(state_dict)
         self._active = False
 

@@ -3,8 +3,8 @@
 For each strategy in ``strategies`` (``"ddp"``, or ``"fsdp2"``: Lightning's
 ``ModelParallelStrategy`` with ``fully_shard`` on every Linear layer), runs a full ``fit`` with a
 checkpoint at ``checkpoint_step``, then a second ``fit`` that resumes from it, and records, per
-optimizer step, a hash of every mask as this rank sees it (after the step's mask update), plus a
-hash of the final weights. With ``by_name``, it does the same under DDP for a model whose
+optimizer step, a hash of every mask as this rank sees it (after the step's mask update), the
+logged flip rates and actual sparsities, plus a hash of the final weights. With ``by_name``, it does the same under DDP for a model whose
 parameter names sort out of model order, resuming from several checkpoints (:func:`by_name`).
 One job serves every strategy: starting processes is the slow part.
 """
@@ -20,7 +20,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from helpers import OutOfOrderModule, RepeatedBatch, TinyModule, fast_trainer
+from helpers import (
+    MetricsLog,
+    OutOfOrderModule,
+    RepeatedBatch,
+    TinyModule,
+    fast_trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -124,8 +130,11 @@ def fit(
     else:
         model = ShardedTinyModule(lr=0.05)
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    # verbose: the summary gathers too
-    sparsity = SparsityCallback(phases=cfg["phases"], params=cfg.get("params"))
+    # verbose: the summary gathers too; logging every step measures every step's flip rate
+    sparsity = SparsityCallback(
+        phases=cfg["phases"], params=cfg.get("params"), log_every_n_steps=1
+    )
+    log = MetricsLog()  # records on every rank
     hashes = MaskHashes(sparsity)
     ckpt = ModelCheckpoint(
         dirpath=out / "ckpt",
@@ -138,6 +147,7 @@ def fit(
         devices=2,
         max_steps=cfg["max_steps"],
         callbacks=[RankRNG(), sparsity, hashes, ckpt],
+        logger=log,
         enable_checkpointing=True,
         deterministic=True,
         use_distributed_sampler=False,  # RankBatches splits the data
@@ -154,6 +164,12 @@ def fit(
         "restored": hashes.restored,
         "weights": weights,
         "history": sparsity.sparsifier.history,
+        "flip_rate": log.series("sparsity/sparsity/flip_rate"),
+        "actual": [
+            [step, m["sparsity/sparsity/actual"]]
+            for step, m in log.records
+            if "sparsity/sparsity/actual" in m
+        ],
     }
 
 

@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -142,6 +143,34 @@ class RepeatedBatch(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[i % self.batch_size], self.y[i % self.batch_size]
+
+
+class MetricsLog(Logger):
+    """A logger that keeps every ``log_metrics`` call as ``(step, metrics)``, on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((step, dict(metrics)))
+
+    def series(self, key: str) -> dict[int, float]:
+        """``{step: value}`` of one metric (every step logged it at most once)."""
+        steps = [step for step, metrics in self.records if key in metrics]
+        assert len(steps) == len(set(steps)), f"{key} logged twice at one step: {steps}"
+        return {step: m[key] for step, m in self.records if key in m}
 
 
 def fast_trainer(**kwargs: Any) -> L.Trainer:

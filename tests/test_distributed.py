@@ -1,6 +1,7 @@
 """DDP and FSDP2 on 2 CPU processes (gloo): masks are identical on every rank, without ever being
 broadcast, after every kind of mask update and after a resume; FSDP2 masks on sharded parameters
-equal the DDP masks at every step.
+equal the DDP masks at every step; so do the logged flip rates, and masked decay (on the 2:4
+phase) keeps the weights of both strategies equal.
 
 One 2-process job runs, for each strategy, every phase below in sequence (STEPS optimizer steps
 each), checkpoints inside the ``magnitude`` phase, and resumes from there.
@@ -46,7 +47,7 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
         True,
     ),
     ("static random", {"sparsity": 0.6, "init": "random", "seed": 7}, False),
-    ("runtime 2:4", {"sparsity": "2:4"}, True),
+    ("runtime 2:4", {"sparsity": "2:4", "decay": 0.05}, True),
     (
         "set",
         {"sparsity": 0.5, "algorithm": "set", "update_every": 1, "drop_fraction": 0.3},
@@ -140,11 +141,18 @@ def check_job(reports: list[dict[str, Any]], config: dict[str, Any]) -> None:
     for run in ("full", "resumed"):
         assert rank0[run]["steps"] == rank1[run]["steps"], run
         assert rank0[run]["weights"] == rank1[run]["weights"], run
+        assert rank0[run]["flip_rate"] == rank1[run]["flip_rate"], run
+        assert rank0[run]["actual"] == rank1[run]["actual"], run
     # the resumed run continues exactly as the uninterrupted one
     full, resumed = rank0["full"]["steps"], rank0["resumed"]["steps"]
     for step in range(resume, total):
         assert resumed[str(step)] == full[str(step)], f"step {step}"
     assert rank0["resumed"]["weights"] == rank0["full"]["weights"]
+    flips = rank0["full"]["flip_rate"]
+    assert sorted(map(int, flips)) == list(range(total - STEPS))  # not the dense phase
+    assert rank0["resumed"]["flip_rate"] == {
+        step: rate for step, rate in flips.items() if int(step) >= resume
+    }
     assert rank0["full"]["steps"]["0"]["masks"] == single_process_initial_masks(config)
     # the job exercised real updates: dynamic phases changed their masks
     for i, (label, _, dynamic) in enumerate(ENTRIES):
@@ -153,6 +161,8 @@ def check_job(reports: list[dict[str, Any]], config: dict[str, Any]) -> None:
         assert first["masks"], label
         if dynamic:
             assert first["masks"] != last["masks"], f"{label}: masks never changed"
+        changes = [flips[str(STEPS * i + j)] for j in range(STEPS)]
+        assert (max(changes) > 0) == dynamic, (label, changes)
     assert full[str(total - 1)]["masks"] == {}  # the last phase is dense
 
 
@@ -201,6 +211,9 @@ def test_fsdp2_masks_on_sharded_parameters_match_ddp_at_every_step(fsdp2, ddp, c
             ddp[0][run]["steps"]
         ), run
         assert fsdp2[0][run]["weights"] == ddp[0][run]["weights"], run
+        assert fsdp2[0][run]["flip_rate"] == ddp[0][run]["flip_rate"], run
+        # counted over whole masks, not this rank's shards
+        assert fsdp2[0][run]["actual"] == ddp[0][run]["actual"], run
 
 
 def test_fsdp2_masks_on_uneven_and_column_shards_equal_whole_tensor_topk(job):

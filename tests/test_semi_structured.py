@@ -201,8 +201,9 @@ class ClassProbe(L.Callback):
         [{"sparsity": "2:4", "until": 4}, {"sparsity": 0.0}],
         [{"sparsity": "2:4", "algorithm": "static", "until": 4}, {"sparsity": 0.0}],
         [{"sparsity": "2:4", "algorithm": "magnitude", "update_every": 2}],
+        [{"sparsity": "2:4", "decay": 0.05, "until": 4}, {"sparsity": 0.0}],
     ],
-    ids=["runtime", "static", "magnitude"],
+    ids=["runtime", "static", "magnitude", "runtime with decay"],
 )
 def test_auto_picks_the_kernel_per_layer_and_trains_like_masked(monkeypatch, phases):
     reference, _, _ = fit("masked", phases)

@@ -85,8 +85,10 @@ class SparsityAlgorithm:
         dynamic: ``True`` if masks change during the phase (:meth:`update_mask` is called every
             ``update_every`` steps between ``update_start`` and ``update_stop``).
         supports_nm: ``False`` if the algorithm cannot produce N:M masks.
-        option_names: the :class:`~lightning_sparse.Phase` fields the algorithm reads; setting any
-            other option in a phase using this algorithm is an error.
+        option_names: the :class:`~lightning_sparse.Phase` fields the algorithm reads (the
+            update window of a dynamic algorithm and ``decay`` of a straight-through one come
+            with them, see :meth:`accepted_options`); setting any other option in a phase
+            using this algorithm is an error.
         default_update_every: update period when the phase does not give one.
         needs_grad: ``True`` if :meth:`update_mask` needs ``ctx.grad`` (the dense gradient).
         projects: ``True`` if every forward derives the mask from the weight (:meth:`project`);
@@ -143,14 +145,12 @@ class SparsityAlgorithm:
         without the run length: :class:`~lightning_sparse.SparsityCallback` calls it when it is
         built, so a mistake surfaces before ``fit``; ``__init__`` calls it again. A subclass
         with options of its own extends it (calling ``super().validate``)."""
-        allowed = cls.option_names | (
-            {"update_every", "update_start", "update_stop"} if cls.dynamic else set()
-        )
+        allowed = cls.accepted_options()
         for option in spec.explicit_options():
             if option not in allowed:
                 raise ValueError(
                     f"{where}: option {option!r} does nothing for algorithm {cls.name!r}; "
-                    f"it accepts {sorted(allowed)}"
+                    f"it accepts {sorted(allowed)}{_accepted_elsewhere(option)}"
                 )
         if isinstance(spec.target, NM) and not cls.supports_nm:
             raise ValueError(
@@ -189,6 +189,17 @@ class SparsityAlgorithm:
                 f"{where}: update_stop (step {self.update_stop}) is before update_start "
                 f"(step {self.update_start})"
             )
+
+    @classmethod
+    def accepted_options(cls) -> frozenset[str]:
+        """The phase options this algorithm reads: :attr:`option_names`, the update window of
+        a dynamic one, and ``decay`` for a straight-through one (its pruned weights stay
+        stored, so the engine can pull them toward zero; a hard mask stores zeros)."""
+        window = (
+            {"update_every", "update_start", "update_stop"} if cls.dynamic else set()
+        )
+        decay = {"decay"} if cls.straight_through else set()
+        return cls.option_names | window | decay
 
     @staticmethod
     def _resolve(
@@ -372,6 +383,22 @@ def algorithm_class(name: str, where: str = "algorithm") -> type[SparsityAlgorit
             f"{where}={name!r} is not a registered algorithm; known: {sorted(_REGISTRY)} "
             f"(register your own with @lightning_sparse.register_algorithm)"
         ) from None
+
+
+def _accepted_elsewhere(option: str) -> str:
+    """For an error message: which registered algorithms accept ``option``."""
+    names = sorted(
+        n for n, cls in _REGISTRY.items() if option in cls.accepted_options()
+    )
+    if not names:
+        return ""
+    why = (
+        " (straight-through algorithms: their pruned weights stay stored and are decayed; "
+        "a hard mask stores them as zeros, so there is nothing to decay)"
+        if option == "decay"
+        else ""
+    )
+    return f"; {option!r} is accepted by {names}{why}"
 
 
 def registered_algorithms() -> list[str]:

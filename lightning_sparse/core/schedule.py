@@ -107,6 +107,27 @@ def _base60_hint(value: float) -> str:
     )
 
 
+def parse_decay(value: Any, where: str = "decay") -> float:
+    """Parse a masked-decay factor: a finite number >= 0 (a number written as a string, as
+    YAML 1.1 reads ``2e-4``, counts as the number).
+
+    >>> parse_decay(2e-4), parse_decay("2e-4"), parse_decay(0)
+    (0.0002, 0.0002, 0.0)
+    """
+    fix = "use a finite number >= 0 such as 2.0e-4 (SR-STE's value), or 0 for no decay"
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{where}={value!r} is not a number: {fix}") from None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise TypeError(f"{where}={value!r} has type {type(value).__name__}: {fix}")
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"{where}={value!r}: {fix}")
+    return float(number)
+
+
 @dataclass(frozen=True)
 class Boundary:
     """Where something ends: ``kind`` is ``"fraction"``, ``"epochs"`` or ``"steps"``."""
@@ -216,6 +237,9 @@ class Phase:
         initial_sparsity: where the ``gmp`` ramp starts.
         distribution: how the target spreads over layers: ``"uniform"``, ``"erk"`` or
             ``"global"``.
+        decay: masked decay of straight-through algorithms (SR-STE): every optimizer step,
+            the gradient of each pruned weight gains ``decay * weight``, pulling the weights
+            the forward leaves out toward zero (e.g. ``2e-4``); default off.
         options: extra options for a custom algorithm.
 
     Example:
@@ -238,6 +262,7 @@ class Phase:
     ramp: str | dict[str, Any] | list[float] | None = None
     initial_sparsity: float | None = None
     distribution: str | None = None
+    decay: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -260,6 +285,8 @@ class Phase:
         for name in ("update_start", "update_stop"):
             if getattr(self, name) is not None:
                 parse_boundary(getattr(self, name), name)
+        if self.decay is not None:
+            self.decay = parse_decay(self.decay)
         if self.is_dense:
             given = sorted(self.explicit_options()) + (
                 ["algorithm"] if self.algorithm else []

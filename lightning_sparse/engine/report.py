@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_sparse.core.selection import Selection
+from lightning_sparse.engine.flips import FlipRate
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import describe
 
@@ -60,8 +61,11 @@ def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
     return "\n".join(lines)
 
 
-def summary(sparsifier: Sparsifier, final_step: int) -> str:
-    """Phases that ran with their step ranges, and the final sparsity of the group."""
+def summary(
+    sparsifier: Sparsifier, final_step: int, flips: FlipRate | None = None
+) -> str:
+    """Phases that ran with their step ranges, the final sparsity of the group and, if any
+    were measured, its first, last and peak flip rates."""
     sp = sparsifier
     lines = [f"SparsityCallback '{sp.name}' summary"]
     entries = [(step, index) for step, index in sp.history]
@@ -79,4 +83,7 @@ def summary(sparsifier: Sparsifier, final_step: int) -> str:
         f"  final sparsity: {sp.actual_sparsity():.1%} over {len(sp.targets)} parameters "
         f"(target now {sp.target_sparsity(final_step):.1%})"
     )
+    measured = None if flips is None else flips.describe()
+    if measured is not None:
+        lines.append(f"  flip rate: {measured}")
     return "\n".join(lines)

@@ -405,13 +405,18 @@ class Sparsifier:
         optimizers: Sequence[torch.optim.Optimizer],
     ) -> bool:
         """Call after gradients are final (accumulated, synced, unscaled) and before the
-        optimizer applies them. Runs a due mask update, then masks the gradients of hard-mask
-        parameters. Returns whether masks were updated."""
+        optimizer applies them. Adds the phase's masked ``decay`` to the gradients of
+        straight-through parameters (with the mask this step's forward used), runs a due mask
+        update, then masks the gradients of hard-mask parameters. Returns whether masks were
+        updated."""
         algo = self.algorithm
         if algo is None:
             return False
         if self._unverified:
             self.verify_forwards()
+        decay = self.current.spec.decay if self.current is not None else None
+        if decay and algo.straight_through:
+            self.decay_gradients(optimizer, decay)
         updated = False
         if step != self.last_update_step and algo.is_update_step(step):
             updated = self._update(step, algo, optimizer, optimizers)
@@ -483,10 +488,7 @@ class Sparsifier:
         on as many threads as torch uses."""
         key = id(optimizer)
         if key not in self._grad_lists:
-            in_opt = {
-                id(p) for group in optimizer.param_groups for p in group["params"]
-            }
-            chosen = [t for t in self.targets if id(t.param) in in_opt]
+            chosen = self._owned_by(optimizer)
             self._grad_lists[key] = (
                 [t.param for t in chosen],
                 [self.masks[t.name] for t in chosen],
@@ -506,6 +508,24 @@ class Sparsifier:
         workers = update_threads(True, grads)
         for_each_layer(lambda pair: multiply_by_mask_(*pair), pairs, sizes, workers)
 
+    @torch.no_grad()
+    def decay_gradients(self, optimizer: torch.optim.Optimizer, decay: float) -> None:
+        """Masked decay (SR-STE, Zhou et al. 2021): the gradient of every pruned entry gains
+        ``decay * weight``, so the optimizer pulls the weights the forward leaves out toward
+        zero and the mask settles. The mask is :meth:`current_mask`: the stored mask, or for
+        a projecting algorithm the projection of the weights, which have not changed since
+        this step's forwards. Sharded parameters decay their local shards."""
+        for t in self._owned_by(optimizer):
+            grad = t.param.grad
+            if grad is not None:
+                weight = t.param.detach()
+                grad.add_(weight.masked_fill(self.current_mask(t), 0), alpha=decay)
+
+    def _owned_by(self, optimizer: torch.optim.Optimizer) -> list[ParamTarget]:
+        """The group's targets whose parameters ``optimizer`` updates."""
+        in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [t for t in self.targets if id(t.param) in in_opt]
+
     # -- observability --------------------------------------------------------------------------
     def target_sparsity(self, step: int) -> float:
         algo = self.algorithm
@@ -519,7 +539,8 @@ class Sparsifier:
             weight = t.param.detach()
             mask = self.current_mask(t)
             nonzero = weight.ne(0) if mask is None else weight.ne(0) & mask
-            zeros += weight.numel() - int(nonzero.sum())
+            # a sharded sum is partial (each rank's part): gathered, it is the whole count
+            zeros += weight.numel() - int(gather_full(nonzero.sum()))
             total += weight.numel()
         return zeros / total if total else 0.0
 
@@ -529,7 +550,7 @@ class Sparsifier:
         for t in self.targets:
             mask = self.current_mask(t)
             nonzero = t.param.ne(0) if mask is None else t.param.ne(0) & mask
-            result[t.name] = 1.0 - float(nonzero.float().mean())
+            result[t.name] = 1.0 - float(gather_full(nonzero.float().mean()))
         return result
 
     # -- checkpoints ----------------------------------------------------------------------------
