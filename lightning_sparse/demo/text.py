@@ -115,7 +115,11 @@ class RandomWindowSampler(Sampler[int]):
 
 
 class _WindowDataModule(L.LightningDataModule):
-    """Shared loaders: random training windows, fixed non-overlapping validation windows."""
+    """Shared loaders: random training windows, fixed non-overlapping validation windows.
+
+    Subclasses leave ``block_size`` out of their hyperparameters: the GPT model has one of the
+    same name (its longest context, which may exceed the windows), and a logger that records
+    both would refuse the two values."""
 
     vocab_size: int = 256
 
@@ -228,7 +232,7 @@ class PydocTextDataModule(_WindowDataModule):
         check_fraction("val_fraction", val_fraction)
         if max_bytes is not None:
             check_positive_int("max_bytes", max_bytes)
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["block_size"])  # see _WindowDataModule
         self.val_fraction = val_fraction
         self.max_bytes = max_bytes
 
@@ -297,7 +301,7 @@ class TokenFileDataModule(_WindowDataModule):
                 raise FileNotFoundError(
                     f"{name}={path!r} does not exist or is not a file"
                 )
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["block_size"])  # see _WindowDataModule
         self.train_path = os.fspath(train_path)
         self.val_path = None if val_path is None else os.fspath(val_path)
         self.dtype = dtype

@@ -129,3 +129,24 @@ def test_token_file_bad_arguments(tmp_path):
         TokenFileDataModule(str(path), dtype="float32")
     with pytest.raises(ValueError, match="val_fraction"):
         TokenFileDataModule(str(path), val_fraction=1.0)
+
+
+def test_gpt_demo_trains_with_a_logger(tmp_path):
+    """The model's and the data's hyperparameters merge in a logger (both know a block size)."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_sparse.demo import GPTLanguageModel
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        limit_val_batches=1,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = PydocTextDataModule(block_size=32, batch_size=2, max_bytes=20_000)
+    trainer.fit(GPTLanguageModel(n_layer=1, block_size=64), data)
+    assert trainer.global_step == 1
