@@ -27,7 +27,7 @@ Example (plain PyTorch):
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ from lightning_sparse.engine.layer_threads import (
     update_threads,
 )
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
+from lightning_sparse.engine.resume import SavedState, pack_state, restored_masks
 from lightning_sparse.engine.sharding import gather_full, shard_like
 from lightning_sparse.masks import NM, sparsity_fraction
 from lightning_sparse.masks.elementwise import (
@@ -76,10 +77,6 @@ from lightning_sparse.masks.elementwise import (
     multiply_by_mask_,
     runs_compiled,
 )
-from lightning_sparse.masks.patterns import not_a_mask
-
-STATE_VERSION = 1
-
 
 COMPILED_GRADIENT_MASKING = 1 << 24
 """Gradient entries (all of a group's together) from which :meth:`Sparsifier.mask_gradients`
@@ -534,7 +531,8 @@ class Sparsifier:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU).
+        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU; see
+        :mod:`~lightning_sparse.engine.resume`).
 
         Masks of sharded parameters are gathered (a collective: call on every rank), so the
         saved masks are whole tensors whatever the strategy."""
@@ -543,13 +541,9 @@ class Sparsifier:
             for t in self.targets:
                 mask = gather_full(self.current_mask(t))
                 masks[f"{t.name}_mask"] = mask.detach().to("cpu", copy=True)
-        return {
-            "version": STATE_VERSION,
-            "phase": _index(self.current),
-            "last_update_step": self.last_update_step,
-            "history": list(self.history),
-            "masks": masks,
-        }
+        return pack_state(
+            _index(self.current), self.last_update_step, self.history, masks
+        )
 
     def load_state_dict(
         self, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
@@ -558,100 +552,16 @@ class Sparsifier:
         on any number of ranks, sharded or not. A malformed state (a phase this schedule lacks,
         a mask missing, extra, mis-shaped or not bool) raises a ``ValueError`` naming the
         parameter before anything changes."""
-        index, step, history, saved = _checked_state(self.name, state)
-        if index is not None and index >= len(self.phases):
-            raise ValueError(
-                f"[{self.name}] the checkpoint was saved in phase {index + 1}, but this schedule "
-                f"has {len(self.phases)} phase(s): resume with the schedule it was trained with"
-            )
-        sparse = index is not None and index in self.algorithms
-        if saved and not sparse:
-            raise ValueError(
-                f"[{self.name}] the checkpoint holds masks, but phase {index} of this schedule "
-                f"is dense: resume with the schedule the checkpoint was trained with"
-            )
-        masks = {}
-        names = {f"{t.name}_mask" for t in self.targets}
-        extra = sorted(map(str, set(saved) - names)) if sparse else []
-        if extra:
-            raise ValueError(
-                f"[{self.name}] the checkpoint has masks for parameters this group does not "
-                f"select: {extra[:5]}: resume with the same params/exclude"
-            )
-        for t in self.targets if sparse else ():
-            key = f"{t.name}_mask"
-            if key not in saved:
-                raise ValueError(
-                    f"[{self.name}] the checkpoint has no mask for parameter {t.name!r} ({key}); "
-                    f"it has masks for {sorted(map(str, saved))[:5]}...: resume with the same "
-                    f"params/exclude"
-                )
-            mask = saved[key]
-            problem = not_a_mask(mask)
-            if problem is not None:
-                raise ValueError(
-                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} is "
-                    f"{problem}; the checkpoint is damaged or was not written by "
-                    f"SparsityCallback"
-                )
-            if tuple(mask.shape) != tuple(t.param.shape):
-                raise ValueError(
-                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} has shape "
-                    f"{tuple(mask.shape)}, but the parameter has shape {tuple(t.param.shape)}"
-                )
-            masks[t.name] = mask.to(device=t.param.device)
-        self._leave()
-        self.last_update_step = step
-        self.history = history
-        self.current = None if index is None else self.phases[index]
-        if sparse:
-            self._apply(masks, optimizers, zero_state=False)
-
-
-def _checked_state(
-    name: str, state: Any
-) -> tuple[int | None, int, list[tuple[int, int | None]], Mapping[str, Any]]:
-    """(phase, last update step, history, masks) of a saved state, checked for type and range."""
-
-    def bad(what: str) -> ValueError:
-        return ValueError(
-            f"[{name}] the checkpoint's sparsity state {what}; the checkpoint is damaged or was "
-            f"not written by SparsityCallback"
+        saved = SavedState.read(self.name, state)
+        masks = restored_masks(
+            self.name, saved, self.phases, self.algorithms, self.targets
         )
-
-    def is_int(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    if not isinstance(state, Mapping):
-        raise bad(f"is a {type(state).__name__}, not a dict")
-    version = state.get("version", STATE_VERSION)
-    if not (is_int(version) and 1 <= version <= STATE_VERSION):
-        if is_int(version) and version > STATE_VERSION:
-            raise ValueError(
-                f"[{name}] the checkpoint's sparsity state has version {version}, but this "
-                f"lightning_sparse reads versions 1 to {STATE_VERSION}: upgrade lightning_sparse"
-            )
-        raise bad(f"has version {version!r}, not 1 to {STATE_VERSION}")
-    index = state.get("phase")
-    if index is not None and not (is_int(index) and index >= 0):
-        raise bad(f"has phase {index!r}, not a phase index (0, 1, ...) or None")
-    step = state.get("last_update_step", -1)
-    if not (is_int(step) and step >= -1):
-        raise bad(f"has last_update_step {step!r}, not a step (-1 for none)")
-    history = state.get("history", [])
-    pairs = isinstance(history, (list, tuple)) and all(
-        isinstance(h, (list, tuple))
-        and len(h) == 2
-        and is_int(h[0])
-        and (h[1] is None or is_int(h[1]))
-        for h in history
-    )
-    if not pairs:
-        raise bad(f"has history {str(history)[:80]}, not a list of (step, phase) pairs")
-    masks = state.get("masks", {})
-    if not isinstance(masks, Mapping):
-        raise bad(f"has masks of type {type(masks).__name__}, not a dict")
-    return index, step, [tuple(h) for h in history], masks
+        self._leave()
+        self.last_update_step = saved.last_update_step
+        self.history = list(saved.history)
+        self.current = None if saved.phase is None else self.phases[saved.phase]
+        if saved.phase is not None and saved.phase in self.algorithms:
+            self._apply(masks, optimizers, zero_state=False)
 
 
 def _all_finite(x: Tensor) -> bool:

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 from torch.torch_version import TorchVersion
 
+from lightning_sparse.engine.resume import STATE_VERSION
 from lightning_sparse.engine.sharding import gather_full
-from lightning_sparse.engine.sparsifier import STATE_VERSION
 from lightning_sparse.masks.patterns import not_a_mask
 
 SAFE_LOAD_TORCH = (2, 10)
