@@ -26,7 +26,6 @@ Example (plain PyTorch):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +50,6 @@ from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import (
     install_masked_forward,
     install_sparse_attribute,
-    straight_through_unsupported,
     uninstall_forward,
 )
 from lightning_sparse.backends.semi_structured import (
@@ -59,9 +57,9 @@ from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
 )
 from lightning_sparse.backends.speed import SpeedCheck
-from lightning_sparse.core.layers import nm_unsupported
 from lightning_sparse.core.schedule import ResolvedPhase, phase_at
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
+from lightning_sparse.engine.feasibility import check_phase
 from lightning_sparse.engine.layer_threads import (
     for_each_layer,
     update_threads,
@@ -69,7 +67,7 @@ from lightning_sparse.engine.layer_threads import (
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
 from lightning_sparse.engine.resume import SavedState, pack_state, restored_masks
 from lightning_sparse.engine.sharding import gather_full, shard_like
-from lightning_sparse.masks import NM, sparsity_fraction
+from lightning_sparse.masks import sparsity_fraction
 from lightning_sparse.masks.elementwise import (
     apply_mask_change_,
     as_multiplier,
@@ -141,7 +139,7 @@ class Sparsifier:
         self.backends: dict[tuple[int, str], BackendChoice] = {}
         for phase in self.phases:
             if phase.index in self.algorithms:
-                self._check_phase(phase, self.algorithms[phase.index])
+                check_phase(phase, self.algorithms[phase.index], self.targets)
                 for t in self.targets:
                     choice = choose_backend(
                         backend,
@@ -172,42 +170,6 @@ class Sparsifier:
         ] = []  # (step entered, phase index or None)
         self._grad_lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         self._unverified = False  # sparse forwards installed, not yet seen to run
-
-    # -- validation ---------------------------------------------------------------------------
-    def _check_phase(self, phase: ResolvedPhase, algorithm: SparsityAlgorithm) -> None:
-        where = f"phases[{phase.index}]"
-        for t in self.targets:
-            if isinstance(phase.target, NM):
-                reason = nm_unsupported(t.layer, t.param.shape, phase.target.m)
-                if reason is not None:
-                    raise ValueError(
-                        f"{where}: sparsity '{phase.target}' is impossible for parameter {t.name!r}: "
-                        f"{reason}; exclude it (exclude=[{self._pattern(t)!r}]) or use a float "
-                        f"sparsity"
-                    )
-            if algorithm.straight_through:
-                for module_name, module, attr in t.owners:
-                    if t.sparse_reads:  # every read of module.attr will be sparse
-                        continue
-                    reason = read_elsewhere(t.readers) or straight_through_unsupported(
-                        module, attr
-                    )
-                    if reason is None and len(t.owners) > 1:
-                        reason = "it is shared by several modules (tied weights)"
-                    if reason is not None:
-                        raise ValueError(
-                            f"{where}: algorithm {algorithm.name!r} masks the forward of each "
-                            f"layer, but parameter {t.name!r} ({module_name or 'model'}) cannot: "
-                            f"{reason}; use a hard-mask algorithm ({_hard_mask_for(phase)}) "
-                            f"or exclude it (exclude=[{self._pattern(t)!r}])"
-                        )
-
-    def _pattern(self, t: ParamTarget) -> str:
-        """A pattern that names ``t`` alone among the group (a glob matches dotted suffixes:
-        ``conv1.weight`` would also take ``layer1.0.conv1.weight``)."""
-        if any(o.name.endswith("." + t.name) for o in self.targets):
-            return f"re:^{re.escape(t.name)}$"
-        return t.name
 
     # -- phases ---------------------------------------------------------------------------------
     @property
@@ -593,11 +555,6 @@ def _projection(t: ParamTarget, algo: SparsityAlgorithm) -> Callable[[Tensor], T
     if layer.to_rows(t.param) is t.param:
         return algo.project
     return lambda weight: layer.from_rows(algo.project(layer.to_rows(weight)))
-
-
-def _hard_mask_for(phase: ResolvedPhase) -> str:
-    """The built-in hard-mask algorithms that accept ``phase``'s target, for messages."""
-    return "'static'" if isinstance(phase.target, NM) else "'static', 'gmp'"
 
 
 def _index(phase: ResolvedPhase | None) -> int | None:
