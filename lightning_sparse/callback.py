@@ -17,7 +17,12 @@ from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
-from lightning_sparse.core.schedule import Phase, resolve_phases, validate_phase_list
+from lightning_sparse.core.schedule import (
+    Phase,
+    counts_epochs,
+    resolve_phases,
+    validate_phase_list,
+)
 from lightning_sparse.core.selection import (
     Selection,
     compile_patterns,
@@ -153,13 +158,6 @@ class SparsityCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
-        total = float(trainer.estimated_stepping_batches)
-        batches = float(trainer.num_training_batches)
-        steps_per_epoch = (
-            math.ceil(batches / trainer.accumulate_grad_batches)
-            if math.isfinite(batches)
-            else math.inf
-        )
         others = [
             (cb.name, cb.selection)
             for cb in trainer.callbacks
@@ -169,7 +167,7 @@ class SparsityCallback(Callback):
         ]
         self.sparsifier, self.selection = self.build(
             pl_module,
-            RunLength(total, steps_per_epoch),
+            fit_run_length(trainer, counts_epochs(self.phases)),
             autocast_dtype(trainer.precision),
             others,
         )
@@ -201,7 +199,9 @@ class SparsityCallback(Callback):
         """
         selection = select_parameters(pl_module, self.params, self.exclude)
         check_disjoint(self.name, selection, others)
-        resolved = resolve_phases(self.phases, run.total_steps, run.steps_per_epoch)
+        resolved = resolve_phases(
+            self.phases, run.total_steps, run.steps_per_epoch, run.advice
+        )
         if not selection.targets and any(not p.spec.is_dense for p in resolved):
             raise ValueError(
                 empty_selection_message(selection, self.name, type(pl_module).__name__)
@@ -334,6 +334,34 @@ class SparsityCallback(Callback):
             )
         self._pending_state = dict(state_dict)
         self._active = False
+
+
+def fit_run_length(trainer: pl.Trainer, epochs: bool = False) -> RunLength:
+    """The run as fit counts it: ``trainer.estimated_stepping_batches`` optimizer steps, and
+    an epoch's optimizer steps from this rank's train batches (after ``limit_train_batches``)
+    and ``accumulate_grad_batches``. With ``epochs`` (a boundary counts epochs) the train
+    dataloader is loaded now if it is not yet, as ``estimated_stepping_batches`` itself loads it
+    when ``max_epochs`` bounds the run; under ``max_steps`` alone it would not be."""
+    total = float(trainer.estimated_stepping_batches)
+    if epochs and trainer.train_dataloader is None:
+        trainer.fit_loop.setup_data()
+    batches = float(trainer.num_training_batches)
+    per_epoch = (
+        math.ceil(batches / trainer.accumulate_grad_batches)
+        if math.isfinite(batches)
+        else math.inf
+    )
+    if total >= 0:
+        return RunLength(total, per_epoch)
+    # a train dataloader without a length under max_epochs: Lightning returns max_steps (-1)
+    return RunLength(
+        math.inf,
+        per_epoch,
+        advice=(
+            f"set Trainer(max_steps=...) (the train dataloader has no length, so "
+            f"max_epochs={trainer.max_epochs} counts no optimizer steps)"
+        ),
+    )
 
 
 def check_disjoint(
