@@ -30,6 +30,7 @@ from lightning_sparse.core.selection import (
     select_parameters,
 )
 from lightning_sparse.engine.report import plan_table, summary
+from lightning_sparse.engine.resume import ON_SCHEDULE_CHANGE
 from lightning_sparse.engine.sparsifier import PhaseChange, Sparsifier
 from lightning_sparse.formats import cerebras
 
@@ -57,10 +58,20 @@ class SparsityCallback(Callback):
         verbose: print the plan table at fit start and a summary at the end.
         verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
             layer shape at fit start, and keep dense math where the sparse kernel is slower.
+        on_schedule_change: what ``fit(ckpt_path=...)`` does when the checkpoint was trained
+            with other phases or parameters than this callback's: ``"error"`` (stop, naming
+            each difference) or ``"reselect"`` (apply this schedule from the resume step,
+            masks chosen afresh there for the phase it has at that step, logged as a phase
+            change). A longer or shorter run is no change: its boundaries move with it.
 
     Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
-    Masks, the phase and the last update step are saved in checkpoints and restored on
-    ``fit(ckpt_path=...)``; the model's own ``state_dict`` keys never change.
+    Masks, the phase, the last update step and the schedule are saved in checkpoints and
+    restored on ``fit(ckpt_path=...)``; the model's own ``state_dict`` keys never change.
+
+    One callback may fit several models, one after another: each keeps what its fit left it
+    with (a straight-through layer its masked forward). A second ``fit`` of one model with a
+    new ``Trainer`` starts the schedule afresh; with the same ``Trainer``, which goes on from
+    its ``global_step``, it goes on from the masks and phase the first left.
 
     Example:
         >>> import lightning as L
@@ -83,6 +94,7 @@ class SparsityCallback(Callback):
         log_every_n_steps: int | None = None,
         verbose: bool = True,
         verify_speed: bool = False,
+        on_schedule_change: str = "error",
     ) -> None:
         if (sparsity is None) == (phases is None):
             raise ValueError(
@@ -115,6 +127,14 @@ class SparsityCallback(Callback):
             )
         self.log_every_n_steps = log_every_n_steps
         self.verbose = verbose
+        if on_schedule_change not in ON_SCHEDULE_CHANGE:
+            raise ValueError(
+                f"on_schedule_change={on_schedule_change!r}: use 'error' (a resume from a "
+                f"checkpoint trained with other phases or parameters stops and names the "
+                f"differences) or 'reselect' (this schedule applies from the resume step, "
+                f"masks chosen afresh there)"
+            )
+        self.on_schedule_change = on_schedule_change
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -150,11 +170,20 @@ class SparsityCallback(Callback):
         if stage != "fit":
             return
         _check_strategy(trainer)
-        if self.sparsifier is not None:
-            self.sparsifier.close()
+        previous, state = self.sparsifier, self.state_dict()
         self.sparsifier = None
         self.selection = None
         self._active = False
+        self._pending_state = None  # a checkpoint's state arrives after setup
+        self._last_logged_step = -1
+        # another model keeps the forwards and masks its own fit left it with
+        if previous is not None and _belongs_to(previous, pl_module):
+            if (
+                trainer.global_step > 0
+            ):  # the same trainer fits on: go on from its state
+                self._pending_state = state
+            else:  # a new run of this model starts its schedule afresh
+                previous.close()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
@@ -225,8 +254,14 @@ class SparsityCallback(Callback):
             return
         self._active = True
         if self._pending_state is not None:
-            self.sparsifier.load_state_dict(self._pending_state, trainer.optimizers)
+            change = self.sparsifier.load_state_dict(
+                self._pending_state,
+                trainer.optimizers,
+                trainer.global_step,
+                self.on_schedule_change,
+            )
             self._pending_state = None
+            self._report_change(trainer, change)
         else:
             change = self.sparsifier.on_step_start(
                 trainer.global_step, trainer.optimizers
@@ -318,6 +353,10 @@ class SparsityCallback(Callback):
         if self.sparsifier is not None and self.verbose:
             rank_zero_info(summary(self.sparsifier, trainer.global_step))
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a fit with no step left to train still ends with the engine in its state
+        self._activate(trainer)
+
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self.sparsifier is None or not self._active:
@@ -377,6 +416,12 @@ def check_disjoint(
                     f"SparsityCallback {name!r}: give the callbacks disjoint params/exclude "
                     f"patterns (each parameter belongs to one group)"
                 )
+
+
+def _belongs_to(sparsifier: Sparsifier, module: nn.Module) -> bool:
+    """Whether ``sparsifier``'s parameters are ``module``'s."""
+    params = {id(p) for p in module.parameters()}
+    return any(id(t.param) in params for t in sparsifier.targets)
 
 
 def _check_strategy(trainer: pl.Trainer) -> None:

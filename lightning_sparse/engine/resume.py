@@ -1,17 +1,24 @@
 """The checkpoint state of one group, and the rules for restoring it.
 
 A :class:`~lightning_sparse.engine.sparsifier.Sparsifier` saves its phase, last update step,
-history of phase changes and masks as ``<param>_mask`` bool tensors (whole tensors on the CPU,
-whatever the sharding). Restoring reads a state from a file, so everything in it is checked
-before anything changes: a malformed state raises a ``ValueError`` naming the group and the
-parameter.
+history of phase changes, masks as ``<param>_mask`` bool tensors (whole tensors on the CPU,
+whatever the sharding) and a record of its schedule
+(:mod:`~lightning_sparse.engine.schedule_record`).
+
+Restoring reads a state from a file, so everything in it is checked before anything changes: a
+malformed state raises a ``ValueError`` naming the group and the parameter, and so does a mask
+that breaks its phase's pattern (N:M groups, transposable 2:4 tiles). A state saved with another
+schedule or other parameters is refused with the differences listed, or, with
+``on_schedule_change="reselect"``, the group's schedule applies from the resume step with masks
+chosen afresh there (:func:`plan_restore`). A run of another length only moves fractional and
+open-ended boundaries: the state is restored, and the log says where the phases now lie.
 
 Example:
     >>> import torch
     >>> state = pack_state(0, -1, [(0, 0)], {"w_mask": torch.ones(2, dtype=torch.bool)})
     >>> saved = SavedState.read("demo", state)
-    >>> saved.phase, saved.history, list(saved.masks)
-    (0, [(0, 0)], ['w_mask'])
+    >>> saved.phase, saved.history, list(saved.masks), saved.schedule
+    (0, [(0, 0)], ['w_mask'], None)
 """
 
 from __future__ import annotations
@@ -25,9 +32,24 @@ from torch import Tensor
 from lightning_sparse.algorithms import SparsityAlgorithm
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import ParamTarget
+from lightning_sparse.engine.schedule_record import (
+    describe_phase,
+    is_record,
+    moved_phases,
+    schedule_changes,
+    schedule_record,
+)
+from lightning_sparse.masks import NM, is_nm
 from lightning_sparse.masks.patterns import not_a_mask
+from lightning_sparse.masks.tiles import is_transposable_2to4
 
 STATE_VERSION = 1
+
+
+ON_SCHEDULE_CHANGE = ("error", "reselect")
+"""What a resume does when the checkpoint's schedule or parameters differ from the group's:
+stop with an error naming each difference, or apply the group's schedule at the resume step
+(masks chosen afresh there for the phase it has at that step)."""
 
 
 def pack_state(
@@ -35,15 +57,35 @@ def pack_state(
     last_update_step: int,
     history: Sequence[tuple[int, int | None]],
     masks: Mapping[str, Tensor],
+    schedule: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A group's state as saved in checkpoints (``masks``: whole tensors, on the CPU)."""
-    return {
+    """A group's state as saved in checkpoints (``masks``: whole tensors, on the CPU;
+    ``schedule``: :func:`schedule_record`)."""
+    state = {
         "version": STATE_VERSION,
         "phase": phase,
         "last_update_step": last_update_step,
         "history": list(history),
         "masks": dict(masks),
     }
+    if schedule is not None:
+        state["schedule"] = dict(schedule)
+    return state
+
+
+def changed_schedule_error(
+    name: str, changes: Sequence[str], saved: Mapping[str, Any], step: int | None
+) -> ValueError:
+    """The error of a resume that refuses a changed schedule: each difference, the
+    checkpoint's phases, and the two ways on."""
+    phases = ", ".join("{" + describe_phase(p["spec"]) + "}" for p in saved["phases"])
+    at = "the resume step" if step is None else f"the resume step ({step})"
+    return ValueError(
+        f"[{name}] the checkpoint was trained with another schedule: {'; '.join(changes)}. "
+        f"Resume with the phases it was trained with ([{phases}]) and the same params/exclude, "
+        f"or pass on_schedule_change='reselect' to apply this schedule from {at}, where the "
+        f"masks are chosen afresh for the phase it has there"
+    )
 
 
 @dataclass(frozen=True)
@@ -54,6 +96,9 @@ class SavedState:
     last_update_step: int
     history: list[tuple[int, int | None]]
     masks: Mapping[str, Any]
+    schedule: (
+        Mapping[str, Any] | None
+    )  #: :func:`schedule_record`; ``None`` if not recorded
 
     @classmethod
     def read(cls, name: str, state: Any) -> SavedState:
@@ -98,7 +143,78 @@ class SavedState:
         masks = state.get("masks", {})
         if not isinstance(masks, Mapping):
             raise bad(f"has masks of type {type(masks).__name__}, not a dict")
-        return cls(index, step, [tuple(h) for h in history], masks)
+        schedule = state.get("schedule")
+        if schedule is not None and not is_record(schedule):
+            raise bad(
+                f"has schedule {str(schedule)[:80]}, not a record of phases and parameters"
+            )
+        if (
+            schedule is not None
+            and index is not None
+            and index >= len(schedule["phases"])
+        ):
+            raise bad(
+                f"has phase {index}, but its schedule has {len(schedule['phases'])} phase(s)"
+            )
+        return cls(index, step, [tuple(h) for h in history], masks, schedule)
+
+
+@dataclass(frozen=True)
+class Restore:
+    """What restoring a saved state does to a group: set back its ``masks`` (by parameter name,
+    on their devices; empty in a dense phase), or, with ``masks=None``, apply the group's
+    changed schedule from the resume step; ``note``: a line for the log, if any."""
+
+    saved: SavedState
+    masks: dict[str, Tensor] | None
+    note: str | None = None
+
+
+Group = tuple[
+    Sequence[ResolvedPhase], Mapping[int, SparsityAlgorithm], Sequence[ParamTarget]
+]
+"""A group's phases, the algorithms of its sparse phases (by phase index), its parameters."""
+
+
+def plan_restore(
+    name: str,
+    state: Any,
+    group: Group,
+    step: int | None = None,
+    on_schedule_change: str = "error",
+) -> Restore:
+    """How to restore ``state`` into group ``name`` at optimizer ``step`` (the resume step),
+    everything checked first: a ``ValueError`` for a malformed state, and for a changed
+    schedule unless ``on_schedule_change`` is ``"reselect"`` (and ``step`` is known)."""
+    if on_schedule_change not in ON_SCHEDULE_CHANGE:
+        raise ValueError(
+            f"on_schedule_change={on_schedule_change!r}: use one of {list(ON_SCHEDULE_CHANGE)}"
+        )
+    saved = SavedState.read(name, state)
+    phases, algorithms, targets = group
+    if saved.schedule is None:  # not recorded: restored as saved, checked by its masks
+        return Restore(saved, restored_masks(name, saved, phases, algorithms, targets))
+    now = schedule_record(phases, targets)
+    changes = schedule_changes(saved.schedule, now, bool(saved.masks))
+    if changes and (on_schedule_change == "error" or step is None):
+        raise changed_schedule_error(name, changes, saved.schedule, step)
+    if changes:
+        return Restore(
+            saved,
+            None,
+            f"[{name}] step {step}: the schedule differs from the checkpoint's "
+            f"({'; '.join(changes)}); it applies from this step, masks chosen afresh "
+            f"(on_schedule_change='reselect')",
+        )
+    masks = restored_masks(name, saved, phases, algorithms, targets)
+    moved = moved_phases(saved.schedule, now)
+    note = (
+        None
+        if moved is None
+        else f"[{name}] the run is longer or shorter than the one the state was saved in, "
+        f"so its fractional and open-ended boundaries moved: the phases span {moved}"
+    )
+    return Restore(saved, masks, note)
 
 
 def restored_masks(
@@ -152,8 +268,35 @@ def restored_masks(
                 f"[{name}] the checkpoint's mask for parameter {t.name!r} has shape "
                 f"{tuple(mask.shape)}, but the parameter has shape {tuple(t.param.shape)}"
             )
+        broken = _broken_pattern(t, mask, phases[index], algorithms[index])
+        if broken is not None:
+            raise ValueError(
+                f"[{name}] the checkpoint's mask for parameter {t.name!r} is not {broken}, "
+                f"which phase {index + 1} ({phases[index].spec.describe()}) keeps; the "
+                f"checkpoint is damaged or was trained with another schedule"
+            )
         masks[t.name] = mask.to(device=t.param.device)
     return masks
+
+
+def _broken_pattern(
+    t: ParamTarget, mask: Tensor, phase: ResolvedPhase, algorithm: SparsityAlgorithm
+) -> str | None:
+    """The pattern of ``phase`` that ``t``'s ``mask`` breaks, or ``None``: N:M groups along
+    the layer's inputs, and transposable 4x4 tiles where the algorithm lays 2:4 out so."""
+    target = phase.target
+    if not isinstance(target, NM):
+        return None
+    rows = t.layer.to_rows(mask)
+    if not is_nm(rows, target):
+        return (
+            f"{target} (at most {target.n} kept of every {target.m} along its inputs)"
+        )
+    if algorithm.nm_layout(rows, target) == "tiles" and not is_transposable_2to4(rows):
+        return (
+            "transposable 2:4 (at most 2 kept per row and per column of each 4x4 tile)"
+        )
+    return None
 
 
 def _is_int(x: Any) -> bool:

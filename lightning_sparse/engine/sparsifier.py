@@ -65,7 +65,7 @@ from lightning_sparse.engine.layer_threads import (
     update_threads,
 )
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
-from lightning_sparse.engine.resume import SavedState, pack_state, restored_masks
+from lightning_sparse.engine.resume import pack_state, plan_restore, schedule_record
 from lightning_sparse.engine.sharding import gather_full, shard_like
 from lightning_sparse.masks import sparsity_fraction
 from lightning_sparse.masks.elementwise import (
@@ -493,8 +493,8 @@ class Sparsifier:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU; see
-        :mod:`~lightning_sparse.engine.resume`).
+        """Phase, last update step, masks as ``<param>_mask`` bool tensors (on the CPU) and the
+        schedule (see :mod:`~lightning_sparse.engine.resume`).
 
         Masks of sharded parameters are gathered (a collective: call on every rank), so the
         saved masks are whole tensors whatever the strategy."""
@@ -503,27 +503,53 @@ class Sparsifier:
             for t in self.targets:
                 mask = gather_full(self.current_mask(t))
                 masks[f"{t.name}_mask"] = mask.detach().to("cpu", copy=True)
+        record = schedule_record(self.phases, self.targets)
         return pack_state(
-            _index(self.current), self.last_update_step, self.history, masks
+            _index(self.current), self.last_update_step, self.history, masks, record
         )
 
     def load_state_dict(
-        self, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
-    ) -> None:
+        self,
+        state: dict[str, Any],
+        optimizers: Sequence[torch.optim.Optimizer],
+        step: int | None = None,
+        on_schedule_change: str = "error",
+    ) -> PhaseChange | None:
         """Restore a saved state exactly. Saved masks are whole tensors, so a checkpoint resumes
         on any number of ranks, sharded or not. A malformed state (a phase this schedule lacks,
-        a mask missing, extra, mis-shaped or not bool) raises a ``ValueError`` naming the
-        parameter before anything changes."""
-        saved = SavedState.read(self.name, state)
-        masks = restored_masks(
-            self.name, saved, self.phases, self.algorithms, self.targets
+        a mask missing, extra, mis-shaped, not bool or breaking its phase's N:M pattern) raises
+        a ``ValueError`` naming the parameter before anything changes.
+
+        A state saved with another schedule or other parameters (see
+        :func:`~lightning_sparse.engine.resume.schedule_changes`) raises a ``ValueError`` that
+        lists the differences, unless ``on_schedule_change="reselect"``: then this schedule
+        applies from ``step``, the step training resumes at, where the masks are chosen afresh
+        for the phase it has there; the phase change is returned, and the history starts
+        there."""
+        restore = plan_restore(
+            self.name,
+            state,
+            (self.phases, self.algorithms, self.targets),
+            step,
+            on_schedule_change,
         )
+        if restore.note is not None:
+            self.log(restore.note)
         self._leave()
-        self.last_update_step = saved.last_update_step
-        self.history = list(saved.history)
-        self.current = None if saved.phase is None else self.phases[saved.phase]
-        if saved.phase is not None and saved.phase in self.algorithms:
-            self._apply(masks, optimizers, zero_state=False)
+        if restore.masks is None:  # a changed schedule, applied from the resume step
+            assert step is not None
+            self.history = []  # the saved one counts another schedule's phases
+            self.last_update_step = step  # masks chosen at this step: no update on top
+            phase = phase_at(self.phases, step)
+            self.enter(phase, step, optimizers)
+            return PhaseChange(step, None, phase)
+        index = restore.saved.phase
+        self.history = list(restore.saved.history)
+        self.last_update_step = restore.saved.last_update_step
+        self.current = None if index is None else self.phases[index]
+        if index is not None and index in self.algorithms:
+            self._apply(restore.masks, optimizers, zero_state=False)
+        return None
 
 
 def _all_finite(x: Tensor) -> bool:
