@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -25,6 +23,7 @@ from lightning_sparse.core.schedule import (
 )
 from lightning_sparse.core.selection import (
     Selection,
+    check_disjoint,
     compile_patterns,
     empty_selection_message,
     select_parameters,
@@ -32,6 +31,7 @@ from lightning_sparse.core.selection import (
 from lightning_sparse.engine.report import plan_table, summary
 from lightning_sparse.engine.resume import ON_SCHEDULE_CHANGE
 from lightning_sparse.engine.sparsifier import PhaseChange, Sparsifier
+from lightning_sparse.fit_start import check_strategy, fit_run_length
 from lightning_sparse.formats import cerebras
 
 
@@ -169,21 +169,20 @@ class SparsityCallback(Callback):
     ) -> None:
         if stage != "fit":
             return
-        _check_strategy(trainer)
-        previous, state = self.sparsifier, self.state_dict()
+        check_strategy(trainer)
+        previous = self.sparsifier
+        # another model keeps the forwards and masks its own fit left it with; this one,
+        # fit again by the same trainer (which goes on from its global_step), goes on from
+        # its state, and by a new trainer starts its schedule afresh
+        mine = previous is not None and _belongs_to(previous, pl_module)
+        state = self.state_dict() if mine and trainer.global_step > 0 else None
+        if mine and state is None:
+            previous.close()
         self.sparsifier = None
         self.selection = None
         self._active = False
-        self._pending_state = None  # a checkpoint's state arrives after setup
+        self._pending_state = state  # a checkpoint's state, if any, arrives after setup
         self._last_logged_step = -1
-        # another model keeps the forwards and masks its own fit left it with
-        if previous is not None and _belongs_to(previous, pl_module):
-            if (
-                trainer.global_step > 0
-            ):  # the same trainer fits on: go on from its state
-                self._pending_state = state
-            else:  # a new run of this model starts its schedule afresh
-                previous.close()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
@@ -375,64 +374,10 @@ class SparsityCallback(Callback):
         self._active = False
 
 
-def fit_run_length(trainer: pl.Trainer, epochs: bool = False) -> RunLength:
-    """The run as fit counts it: ``trainer.estimated_stepping_batches`` optimizer steps, and
-    an epoch's optimizer steps from this rank's train batches (after ``limit_train_batches``)
-    and ``accumulate_grad_batches``. With ``epochs`` (a boundary counts epochs) the train
-    dataloader is loaded now if it is not yet, as ``estimated_stepping_batches`` itself loads it
-    when ``max_epochs`` bounds the run; under ``max_steps`` alone it would not be."""
-    total = float(trainer.estimated_stepping_batches)
-    if epochs and trainer.train_dataloader is None:
-        trainer.fit_loop.setup_data()
-    batches = float(trainer.num_training_batches)
-    per_epoch = (
-        math.ceil(batches / trainer.accumulate_grad_batches)
-        if math.isfinite(batches)
-        else math.inf
-    )
-    if total >= 0:
-        return RunLength(total, per_epoch)
-    # a train dataloader without a length under max_epochs: Lightning returns max_steps (-1)
-    return RunLength(
-        math.inf,
-        per_epoch,
-        advice=(
-            f"set Trainer(max_steps=...) (the train dataloader has no length, so "
-            f"max_epochs={trainer.max_epochs} counts no optimizer steps)"
-        ),
-    )
-
-
-def check_disjoint(
-    name: str, selection: Selection, others: Sequence[tuple[str, Selection]]
-) -> None:
-    """Raise if a parameter of group ``name`` belongs to another group too."""
-    mine = {id(t.param) for t in selection.targets}
-    for other, other_selection in others:
-        for t in other_selection.targets:
-            if id(t.param) in mine:
-                raise ValueError(
-                    f"parameter {t.name!r} is claimed by SparsityCallback {other!r} and "
-                    f"SparsityCallback {name!r}: give the callbacks disjoint params/exclude "
-                    f"patterns (each parameter belongs to one group)"
-                )
-
-
 def _belongs_to(sparsifier: Sparsifier, module: nn.Module) -> bool:
     """Whether ``sparsifier``'s parameters are ``module``'s."""
     params = {id(p) for p in module.parameters()}
     return any(id(t.param) in params for t in sparsifier.targets)
-
-
-def _check_strategy(trainer: pl.Trainer) -> None:
-    if isinstance(trainer.strategy, FSDPStrategy):
-        raise TypeError(
-            "SparsityCallback does not support Lightning's FSDPStrategy (strategy='fsdp', FSDP1): "
-            "it flattens parameters into 1-D shards, so a layer's mask has no weight of its "
-            "shape to apply to. Use ModelParallelStrategy (FSDP2: call fully_shard in "
-            "LightningModule.configure_model), which keeps each parameter a sharded DTensor, or "
-            "strategy='ddp'"
-        )
 
 
 def _phase_number(sparsifier: Sparsifier) -> int:
