@@ -174,7 +174,7 @@ class SparsityCallback(Callback):
         # another model keeps the forwards and masks its own fit left it with; this one,
         # fit again by the same trainer (which goes on from its global_step), goes on from
         # its state, and by a new trainer starts its schedule afresh
-        mine = previous is not None and _belongs_to(previous, pl_module)
+        mine = previous is not None and previous.belongs_to(pl_module)
         state = self.state_dict() if mine and trainer.global_step > 0 else None
         if mine and state is None:
             previous.close()
@@ -372,12 +372,6 @@ class SparsityCallback(Callback):
             )
         self._pending_state = dict(state_dict)
         self._active = False
-
-
-def _belongs_to(sparsifier: Sparsifier, module: nn.Module) -> bool:
-    """Whether ``sparsifier``'s parameters are ``module``'s."""
-    params = {id(p) for p in module.parameters()}
-    return any(id(t.param) in params for t in sparsifier.targets)
 
 
 def _phase_number(sparsifier: Sparsifier) -> int:

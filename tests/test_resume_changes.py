@@ -331,3 +331,22 @@ def test_a_damaged_schedule_record_is_a_value_error(saved_state, record):
         assert str(err).startswith("[sparsity] the checkpoint")
     else:
         assert record is None  # not recorded: restored as saved
+
+
+def test_the_engine_applies_a_changed_schedule_at_the_step_it_is_given(saved_state):
+    torch.manual_seed(0)
+    net = TinyNet()
+    targets = select_parameters(net).targets
+    phases = resolve_phases([Phase(sparsity=0.8)], total_steps=12)
+    sparsifier = Sparsifier("sparsity", targets, phases)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"pass step=<the optimizer step training"):
+        sparsifier.load_state_dict(
+            saved_state, [optimizer], on_schedule_change="reselect"
+        )
+    change = sparsifier.load_state_dict(
+        saved_state, [optimizer], step=4, on_schedule_change="reselect"
+    )
+    assert (change.step, change.new.index) == (4, 0)
+    assert sparsifier.history == [(4, 0)] and sparsifier.last_update_step == 4
+    assert sparsifier.actual_sparsity() == pytest.approx(307 / 384)

@@ -170,33 +170,34 @@ class Restore:
     note: str | None = None
 
 
-Group = tuple[
-    Sequence[ResolvedPhase], Mapping[int, SparsityAlgorithm], Sequence[ParamTarget]
-]
-"""A group's phases, the algorithms of its sparse phases (by phase index), its parameters."""
-
-
 def plan_restore(
     name: str,
     state: Any,
-    group: Group,
+    phases: Sequence[ResolvedPhase],
+    algorithms: Mapping[int, SparsityAlgorithm],
+    targets: Sequence[ParamTarget],
     step: int | None = None,
     on_schedule_change: str = "error",
 ) -> Restore:
-    """How to restore ``state`` into group ``name`` at optimizer ``step`` (the resume step),
-    everything checked first: a ``ValueError`` for a malformed state, and for a changed
-    schedule unless ``on_schedule_change`` is ``"reselect"`` (and ``step`` is known)."""
+    """How to restore ``state`` into group ``name`` (its ``phases``, the ``algorithms`` of its
+    sparse phases, its ``targets``) at optimizer ``step``, the resume step; everything checked
+    first: a ``ValueError`` for a malformed state, and for a changed schedule unless
+    ``on_schedule_change`` is ``"reselect"``."""
     if on_schedule_change not in ON_SCHEDULE_CHANGE:
         raise ValueError(
             f"on_schedule_change={on_schedule_change!r}: use one of {list(ON_SCHEDULE_CHANGE)}"
         )
+    if on_schedule_change == "reselect" and step is None:
+        raise ValueError(
+            "on_schedule_change='reselect' applies a changed schedule at the resume step: "
+            "pass step=<the optimizer step training resumes at>"
+        )
     saved = SavedState.read(name, state)
-    phases, algorithms, targets = group
     if saved.schedule is None:  # not recorded: restored as saved, checked by its masks
         return Restore(saved, restored_masks(name, saved, phases, algorithms, targets))
     now = schedule_record(phases, targets)
     changes = schedule_changes(saved.schedule, now, bool(saved.masks))
-    if changes and (on_schedule_change == "error" or step is None):
+    if changes and on_schedule_change == "error":
         raise changed_schedule_error(name, changes, saved.schedule, step)
     if changes:
         return Restore(

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_sparse.algorithms import (
     UNKNOWN_RUN,
@@ -231,6 +231,11 @@ class Sparsifier:
     def close(self) -> None:
         """Remove every installed forward and drop the masks (weights stay as they are)."""
         self._leave()
+
+    def belongs_to(self, module: nn.Module) -> bool:
+        """Whether the group's parameters are ``module``'s (a group of none belongs nowhere)."""
+        params = {id(p) for p in module.parameters()}
+        return any(id(t.param) in params for t in self.targets)
 
     # -- masks ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -529,7 +534,9 @@ class Sparsifier:
         restore = plan_restore(
             self.name,
             state,
-            (self.phases, self.algorithms, self.targets),
+            self.phases,
+            self.algorithms,
+            self.targets,
             step,
             on_schedule_change,
         )

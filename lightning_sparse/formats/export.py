@@ -128,12 +128,11 @@ def _group_masks(state: Any, where: str) -> dict[str, Tensor]:
 def _check_fitted_here(trainer: pl.Trainer) -> None:
     """Raise if a sparsity callback of ``trainer`` has since been fit on another model: its
     masks are that model's now (a callback holds the engine of its latest fit)."""
-    params = {id(p) for p in trainer.lightning_module.parameters()}
     for cb in trainer.callbacks:
         sparsifier = getattr(cb, "sparsifier", None)
         if not isinstance(sparsifier, Sparsifier) or not sparsifier.targets:
             continue
-        if all(id(t.param) not in params for t in sparsifier.targets):
+        if not sparsifier.belongs_to(trainer.lightning_module):
             raise ValueError(
                 f"export_state_dict(trainer): {cb.state_key} of this trainer has since been "
                 f"fit on another model, so the masks it holds are that model's: export each "
