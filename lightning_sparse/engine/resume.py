@@ -269,6 +269,9 @@ def restored_masks(
                 f"[{name}] the checkpoint's mask for parameter {t.name!r} has shape "
                 f"{tuple(mask.shape)}, but the parameter has shape {tuple(t.param.shape)}"
             )
+        mask = masks[t.name] = mask.to(
+            device=t.param.device
+        )  # checked where it is fastest
         broken = _broken_pattern(t, mask, phases[index], algorithms[index])
         if broken is not None:
             raise ValueError(
@@ -276,7 +279,6 @@ def restored_masks(
                 f"which phase {index + 1} ({phases[index].spec.describe()}) keeps; the "
                 f"checkpoint is damaged or was trained with another schedule"
             )
-        masks[t.name] = mask.to(device=t.param.device)
     return masks
 
 
@@ -289,11 +291,14 @@ def _broken_pattern(
     if not isinstance(target, NM):
         return None
     rows = t.layer.to_rows(mask)
+    tiles = algorithm.nm_layout(rows, target) == "tiles"
+    if tiles and is_transposable_2to4(rows):  # which implies 2:4 along the inputs
+        return None
     if not is_nm(rows, target):
         return (
             f"{target} (at most {target.n} kept of every {target.m} along its inputs)"
         )
-    if algorithm.nm_layout(rows, target) == "tiles" and not is_transposable_2to4(rows):
+    if tiles:
         return (
             "transposable 2:4 (at most 2 kept per row and per column of each 4x4 tile)"
         )
