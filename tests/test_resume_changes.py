@@ -18,9 +18,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_sparse import Phase, Sparsifier, SparsityCallback, select_parameters
+from lightning_sparse import (
+    Phase,
+    Sparsifier,
+    SparsityAlgorithm,
+    SparsityCallback,
+    register_algorithm,
+    select_parameters,
+)
 from lightning_sparse.core.schedule import resolve_phases
-from lightning_sparse.masks import NM, is_nm
+from lightning_sparse.masks import NM, is_nm, target_mask
 from lightning_sparse.masks.tiles import is_transposable_2to4
 
 KEY = "SparsityCallback{'name': 'sparsity'}"
@@ -350,3 +357,29 @@ def test_the_engine_applies_a_changed_schedule_at_the_step_it_is_given(saved_sta
     assert (change.step, change.new.index) == (4, 0)
     assert sparsifier.history == [(4, 0)] and sparsifier.last_update_step == 4
     assert sparsifier.actual_sparsity() == pytest.approx(307 / 384)
+
+
+@register_algorithm("rowwise_24_resume_test")
+class RowWise(SparsityAlgorithm):
+    """A custom rule: N of every M by magnitude along each row, never transposable tiles."""
+
+    straight_through = True
+    dynamic = True
+
+    def update_mask(self, weight, mask, target, ctx):
+        return target_mask(weight.abs(), target)
+
+
+def test_a_custom_algorithm_is_held_to_its_phase_groups_only(tmp_path):
+    phases = [
+        {"sparsity": "2:4", "algorithm": "rowwise_24_resume_test", "update_every": 1},
+    ]
+    reference, _, _ = fit(tmp_path / "ref", phases, max_steps=6)
+    fit(tmp_path / "ck", phases, max_steps=6, save_at=3)
+    state = torch.load(tmp_path / "ck" / "step=3.ckpt", weights_only=True)
+    mask = state["callbacks"][KEY]["masks"]["net.fc2.weight_mask"]
+    assert is_nm(mask, NM(2, 4)) and not is_transposable_2to4(mask)
+    resumed, _, _ = fit(tmp_path, phases, 6, ckpt_path=tmp_path / "ck" / "step=3.ckpt")
+    expected = weights(reference)
+    for key, value in weights(resumed).items():
+        assert torch.equal(value, expected[key]), key

@@ -286,12 +286,13 @@ def _broken_pattern(
     t: ParamTarget, mask: Tensor, phase: ResolvedPhase, algorithm: SparsityAlgorithm
 ) -> str | None:
     """The pattern of ``phase`` that ``t``'s ``mask`` breaks, or ``None``: N:M groups along
-    the layer's inputs, and transposable 4x4 tiles where the algorithm lays 2:4 out so."""
+    the layer's inputs, and transposable 4x4 tiles where the (built-in) algorithm lays 2:4 out
+    so."""
     target = phase.target
     if not isinstance(target, NM):
         return None
     rows = t.layer.to_rows(mask)
-    tiles = algorithm.nm_layout(rows, target) == "tiles"
+    tiles = algorithm.nm_layout(rows, target) == "tiles" and _built_in(algorithm)
     if tiles and is_transposable_2to4(rows):  # which implies 2:4 along the inputs
         return None
     if not is_nm(rows, target):
@@ -303,6 +304,17 @@ def _broken_pattern(
             "transposable 2:4 (at most 2 kept per row and per column of each 4x4 tile)"
         )
     return None
+
+
+def _built_in(algorithm: SparsityAlgorithm) -> bool:
+    """Whether ``algorithm`` chooses masks by this package's rules only (which lay 2:4 out as
+    transposable tiles where :meth:`~lightning_sparse.algorithms.SparsityAlgorithm.nm_layout`
+    says so); a custom rule is held to the N:M groups of its phase alone."""
+    rules = ("initial_mask", "update_mask", "update_mask_", "select", "project")
+    return all(
+        getattr(type(algorithm), rule).__module__.startswith("lightning_sparse.")
+        for rule in rules
+    )
 
 
 def _is_int(x: Any) -> bool:
