@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -17,16 +15,24 @@ from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
-from lightning_sparse.core.schedule import Phase, resolve_phases, validate_phase_list
+from lightning_sparse.core.schedule import (
+    Phase,
+    counts_epochs,
+    resolve_phases,
+    validate_phase_list,
+)
 from lightning_sparse.core.selection import (
     Selection,
+    check_disjoint,
     compile_patterns,
     empty_selection_message,
     select_parameters,
 )
 from lightning_sparse.engine.flips import FlipRate
 from lightning_sparse.engine.report import plan_table, summary
+from lightning_sparse.engine.resume import ON_SCHEDULE_CHANGE
 from lightning_sparse.engine.sparsifier import PhaseChange, Sparsifier
+from lightning_sparse.fit_start import check_strategy, fit_run_length
 from lightning_sparse.formats import cerebras
 
 
@@ -54,10 +60,20 @@ class SparsityCallback(Callback):
         verbose: print the plan table at fit start and a summary at the end.
         verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
             layer shape at fit start, and keep dense math where the sparse kernel is slower.
+        on_schedule_change: what ``fit(ckpt_path=...)`` does when the checkpoint was trained
+            with other phases or parameters than this callback's: ``"error"`` (stop, naming
+            each difference) or ``"reselect"`` (apply this schedule from the resume step,
+            masks chosen afresh there for the phase it has at that step, logged as a phase
+            change). A longer or shorter run is no change: its boundaries move with it.
 
     Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
-    Masks, the phase and the last update step are saved in checkpoints and restored on
-    ``fit(ckpt_path=...)``; the model's own ``state_dict`` keys never change.
+    Masks, the phase, the last update step and the schedule are saved in checkpoints and
+    restored on ``fit(ckpt_path=...)``; the model's own ``state_dict`` keys never change.
+
+    One callback may fit several models, one after another: each keeps what its fit left it
+    with (a straight-through layer its masked forward). A second ``fit`` of one model with a
+    new ``Trainer`` starts the schedule afresh; with the same ``Trainer``, which goes on from
+    its ``global_step``, it goes on from the masks and phase the first left.
 
     Example:
         >>> import lightning as L
@@ -80,6 +96,7 @@ class SparsityCallback(Callback):
         log_every_n_steps: int | None = None,
         verbose: bool = True,
         verify_speed: bool = False,
+        on_schedule_change: str = "error",
     ) -> None:
         if (sparsity is None) == (phases is None):
             raise ValueError(
@@ -117,6 +134,14 @@ class SparsityCallback(Callback):
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose={verbose!r}: use True or False")
         self.verbose = verbose
+        if on_schedule_change not in ON_SCHEDULE_CHANGE:
+            raise ValueError(
+                f"on_schedule_change={on_schedule_change!r}: use 'error' (a resume from a "
+                f"checkpoint trained with other phases or parameters stops and names the "
+                f"differences) or 'reselect' (this schedule applies from the resume step, "
+                f"masks chosen afresh there)"
+            )
+        self.on_schedule_change = on_schedule_change
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -152,23 +177,26 @@ class SparsityCallback(Callback):
     ) -> None:
         if stage != "fit":
             return
-        _check_strategy(trainer)
-        if self.sparsifier is not None:
-            self.sparsifier.close()
+        check_strategy(trainer)
+        previous = self.sparsifier
+        # another model keeps the forwards and masks its own fit left it with; this one,
+        # fit again by the same trainer (which goes on from its global_step), goes on from
+        # its state, and by a new trainer starts its schedule afresh
+        mine = previous is not None and previous.belongs_to(pl_module)
+        state = self.state_dict() if mine and trainer.global_step > 0 else None
+        if mine and state is None:
+            previous.close()
         self.sparsifier = None
         self.selection = None
         self._active = False
         self.flips = FlipRate()
+        if state is not None:  # the same trainer goes on: so does the flip-rate summary
+            self.flips.load_state_dict(state.get("flip_rate"), f"[{self.name}]")
+        self._pending_state = state  # a checkpoint's state, if any, arrives after setup
+        self._last_logged_step = -1
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
-        total = float(trainer.estimated_stepping_batches)
-        batches = float(trainer.num_training_batches)
-        steps_per_epoch = (
-            math.ceil(batches / trainer.accumulate_grad_batches)
-            if math.isfinite(batches)
-            else math.inf
-        )
         others = [
             (cb.name, cb.selection)
             for cb in trainer.callbacks
@@ -178,7 +206,7 @@ class SparsityCallback(Callback):
         ]
         self.sparsifier, self.selection = self.build(
             pl_module,
-            RunLength(total, steps_per_epoch),
+            fit_run_length(trainer, counts_epochs(self.phases)),
             autocast_dtype(trainer.precision),
             others,
         )
@@ -210,7 +238,9 @@ class SparsityCallback(Callback):
         """
         selection = select_parameters(pl_module, self.params, self.exclude)
         check_disjoint(self.name, selection, others)
-        resolved = resolve_phases(self.phases, run.total_steps, run.steps_per_epoch)
+        resolved = resolve_phases(
+            self.phases, run.total_steps, run.steps_per_epoch, run.advice
+        )
         if not selection.targets and any(not p.spec.is_dense for p in resolved):
             raise ValueError(
                 empty_selection_message(selection, self.name, type(pl_module).__name__)
@@ -234,8 +264,14 @@ class SparsityCallback(Callback):
             return
         self._active = True
         if self._pending_state is not None:
-            self.sparsifier.load_state_dict(self._pending_state, trainer.optimizers)
+            change = self.sparsifier.load_state_dict(
+                self._pending_state,
+                trainer.optimizers,
+                trainer.global_step,
+                self.on_schedule_change,
+            )
             self._pending_state = None
+            self._report_change(trainer, change)
         else:
             change = self.sparsifier.on_step_start(
                 trainer.global_step, trainer.optimizers
@@ -344,6 +380,10 @@ class SparsityCallback(Callback):
         if self.sparsifier is not None and self.verbose:
             rank_zero_info(summary(self.sparsifier, trainer.global_step, self.flips))
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a fit with no step left to train still ends with the engine in its state
+        self._activate(trainer)
+
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self.sparsifier is None or not self._active:
@@ -361,32 +401,6 @@ class SparsityCallback(Callback):
         self.flips.load_state_dict(state_dict.get("flip_rate"), f"[{self.name}]")
         self._pending_state = dict(state_dict)
         self._active = False
-
-
-def check_disjoint(
-    name: str, selection: Selection, others: Sequence[tuple[str, Selection]]
-) -> None:
-    """Raise if a parameter of group ``name`` belongs to another group too."""
-    mine = {id(t.param) for t in selection.targets}
-    for other, other_selection in others:
-        for t in other_selection.targets:
-            if id(t.param) in mine:
-                raise ValueError(
-                    f"parameter {t.name!r} is claimed by SparsityCallback {other!r} and "
-                    f"SparsityCallback {name!r}: give the callbacks disjoint params/exclude "
-                    f"patterns (each parameter belongs to one group)"
-                )
-
-
-def _check_strategy(trainer: pl.Trainer) -> None:
-    if isinstance(trainer.strategy, FSDPStrategy):
-        raise TypeError(
-            "SparsityCallback does not support Lightning's FSDPStrategy (strategy='fsdp', FSDP1): "
-            "it flattens parameters into 1-D shards, so a layer's mask has no weight of its "
-            "shape to apply to. Use ModelParallelStrategy (FSDP2: call fully_shard in "
-            "LightningModule.configure_model), which keeps each parameter a sharded DTensor, or "
-            "strategy='ddp'"
-        )
 
 
 def _phase_number(sparsifier: Sparsifier) -> int:

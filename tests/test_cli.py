@@ -334,3 +334,42 @@ def test_a_bad_key_in_a_config_is_a_message(tmp_path):
     config.write_text(BAD_FIT.format(params='"layer.weight"', sparsity="0.5"))
     with pytest.raises(SystemExit, match="lightning-sparse: .*max_stepz"):
         main(["fit", f"--config={config}", "--trainer.max_stepz=3"])
+
+
+def test_fit_resumes_from_ckpt_path_and_names_a_changed_schedule(
+    tmp_path, lightning_log
+):
+    def fit(*args):
+        return SparseCLI(
+            args=["fit", f"--config={VIT_DEMO}", *SMALL_VIT[1:], *args]
+        ).trainer
+
+    fit(
+        "--trainer.max_epochs=1",
+        "--trainer.enable_checkpointing=true",
+        f"--trainer.default_root_dir={tmp_path / 'first'}",
+    )
+    (ckpt,) = (tmp_path / "first").rglob("*.ckpt")
+    resume = ["--trainer.max_epochs=2", f"--ckpt_path={ckpt}"]
+    trainer = fit(*resume, f"--trainer.default_root_dir={tmp_path / 'resumed'}")
+    assert trainer.global_step == 10
+    summary = lightning_log.text.split("SparsityCallback 'sparsity' summary")[-1]
+    # 5 steps put the boundary at 4, 10 at 7: phase 1 begins again at the resume step
+    for line in (
+        "0-3: phase 1: 2:4",
+        "4-4: phase 2: dense",
+        "5-6: phase 1",
+        "7-9: phase 2",
+    ):
+        assert f"steps {line}" in summary
+    changed = (
+        "--trainer.callbacks.init_args.phases="
+        "[{sparsity: 0.5, until: 0.7}, {sparsity: 0.0}]"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        fit(*resume, changed, f"--trainer.default_root_dir={tmp_path / 'refused'}")
+    assert (
+        "lightning-sparse fit: [sparsity] the checkpoint was trained with another"
+        in str(exit_info.value)
+    )
+    assert "phases[0].sparsity: 2:4 in the checkpoint, 0.5 now" in str(exit_info.value)

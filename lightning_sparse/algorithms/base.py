@@ -38,7 +38,12 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.algorithms.distributions import check_distribution, spread
-from lightning_sparse.core.schedule import Phase, ResolvedPhase, parse_boundary
+from lightning_sparse.core.schedule import (
+    RUN_LENGTH_ADVICE,
+    Phase,
+    ResolvedPhase,
+    parse_boundary,
+)
 from lightning_sparse.masks import (
     NM,
     Sparsity,
@@ -68,10 +73,12 @@ class MaskContext:
 
 @dataclass(frozen=True)
 class RunLength:
-    """What the schedule knows about the run: used to resolve algorithm boundaries."""
+    """What the schedule knows about the run, in optimizer steps (``inf``: unknown), and what
+    makes an unknown run length known (for messages): used to resolve boundaries."""
 
     total_steps: float = math.inf
     steps_per_epoch: float = math.inf
+    advice: str = RUN_LENGTH_ADVICE
 
 
 UNKNOWN_RUN = RunLength()
@@ -208,7 +215,7 @@ class SparsityAlgorithm:
         if value is None:
             return default
         return parse_boundary(value, where).resolve(
-            run.total_steps, run.steps_per_epoch, where
+            run.total_steps, run.steps_per_epoch, where, run.advice
         )
 
     # -- schedule ---------------------------------------------------------------------------

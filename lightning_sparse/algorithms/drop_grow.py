@@ -219,8 +219,8 @@ class DropAndGrow(SparsityAlgorithm):
         if self.decay != "constant" and self.update_stop is None:
             raise ValueError(
                 f"{where}: the phase has no known end, so drop_fraction cannot decay to zero "
-                f"at update_stop: set update_stop (e.g. '5000 steps'), give the trainer "
-                f"max_steps/max_epochs, or use drop_fraction_decay: constant"
+                f"at update_stop: set update_stop (e.g. '5000 steps'), {run.advice}, or use "
+                f"drop_fraction_decay: constant"
             )
 
     def drop_fraction_at(self, step: int) -> float:

@@ -103,7 +103,7 @@ class GradualMagnitudePruning(SparsityAlgorithm):
         if self.update_stop is None:
             raise ValueError(
                 f"{where}: the phase has no known end, so gmp cannot place its ramp: set "
-                f"update_stop (e.g. '5000 steps') or give the trainer max_steps/max_epochs"
+                f"update_stop (e.g. '5000 steps') or {run.advice}"
             )
 
     def target_at(self, step: int) -> Sparsity:

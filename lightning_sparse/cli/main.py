@@ -40,6 +40,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.cli.plan import SchedulePlan, format_plan, plan_schedule
 from lightning_sparse.cli.plot import PLOT_HINT, plot_schedule
+from lightning_sparse.core.schedule import parse_boundary
 
 OVERLAY_ONLY = (
     "the config names no model{data}: a sparsity overlay (such as "
@@ -89,6 +90,7 @@ class SparseCLI(LightningCLI):
         kwargs.setdefault("parser_kwargs", {"exit_on_error": False})
         self._fit_started = 0.0
         self._assumed: dict[str, Any] = {}
+        self._epoch_boundaries = False  # a phase boundary counts epochs (plan)
         super().__init__(
             pl.LightningModule, pl.LightningDataModule, args=args, **kwargs
         )
@@ -107,17 +109,22 @@ class SparseCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, FileNotFoundError) as err:
-            explain = _plan_error if self.subcommand == "plan" else _innermost
-            sys.exit(f"lightning-sparse {self.subcommand}: {explain(err)}")
+            explain = (
+                _plan_error(err, self._epoch_boundaries)
+                if self.subcommand == "plan"
+                else _innermost(err)
+            )
+            sys.exit(f"lightning-sparse {self.subcommand}: {explain}")
         if without_data:
             self.datamodule = None
 
     def _plan_here(self) -> bool:
         """Change the ``plan`` config so that it builds on any machine: a CPU trainer (the
         configured accelerator, devices, strategy and loggers are recorded, not built), and no
-        data when ``max_steps`` gives the run length (then ``True``: the config's data module
-        is replaced by an empty one, never built)."""
+        data when ``max_steps`` gives the run length and no phase boundary counts epochs (then
+        ``True``: the config's data module is replaced by an empty one, never built)."""
         trainer = self.config["plan"]["trainer"]
+        self._epoch_boundaries = _counts_epochs(trainer.get("callbacks"))
         configured = {
             key: trainer.get(key)
             for key in ("accelerator", "devices", "num_nodes", "strategy", "precision")
@@ -133,7 +140,7 @@ class SparseCLI(LightningCLI):
             trainer["precision"] = "32-true"
         max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
         steps_only = max_steps not in (None, -1) and max_epochs in (None, -1)
-        if steps_only:
+        if steps_only and not self._epoch_boundaries:
             self.config["plan"]["data"] = Namespace(
                 class_path="lightning.pytorch.LightningDataModule",
                 init_args=Namespace(),
@@ -151,12 +158,12 @@ class SparseCLI(LightningCLI):
                 f"precision={precision}. "
                 + (
                     "No data was read (max_steps gives the run length)."
-                    if steps_only
+                    if steps_only and not self._epoch_boundaries
                     else "The data module was built to count the batches of an epoch."
                 )
             ),
         }
-        return steps_only
+        return steps_only and not self._epoch_boundaries
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -201,7 +208,9 @@ class SparseCLI(LightningCLI):
                 self.trainer, model, datamodule, plot, plot_path, gpu, **self._assumed
             )
         except (ValueError, TypeError, FileNotFoundError) as err:
-            sys.exit(f"lightning-sparse plan: {_plan_error(err)}")
+            sys.exit(
+                f"lightning-sparse plan: {_plan_error(err, self._epoch_boundaries)}"
+            )
 
     def _plot_path_beside_config(self) -> str | None:
         """``<config stems joined by +>_plan.png`` beside the first config; ``None`` without a
@@ -280,16 +289,48 @@ def _explain_parse_error(err: ArgumentError, args: ArgsType) -> str:
     )
 
 
-def _plan_error(err: BaseException) -> str:
-    """A plan error, with what to add when the run length needs data it could not read."""
+def _plan_error(err: BaseException, epoch_boundaries: bool = False) -> str:
+    """A plan error, with what to change when the run length needs data it could not read
+    (``epoch_boundaries``: a phase boundary counts epochs)."""
     message = _innermost(err)
     if _raised_by_data(err) or "dataloader" in message.lower():
+        if epoch_boundaries:
+            return (
+                f"{message}. A phase boundary counts epochs, so plan reads the train loader's "
+                f"length; to plan without the data, give the boundaries in steps ('1500 steps') "
+                f"and bound the run with steps: --trainer.max_steps=N --trainer.max_epochs=-1"
+            )
         return (
             f"{message}. The run length is counted in epochs, so plan reads the train "
             f"loader's length; to plan without the data, bound the run with steps: "
             f"--trainer.max_steps=N --trainer.max_epochs=-1"
         )
     return message
+
+
+def _counts_epochs(config: Any) -> bool:
+    """Whether a ``until``, ``update_start`` or ``update_stop`` anywhere in ``config`` (the
+    trainer's callbacks as configured: namespaces, dicts and lists) is given in epochs."""
+    if isinstance(config, Namespace):
+        config = vars(config)
+    if isinstance(config, dict):
+        return any(
+            (key in _BOUNDARY_KEYS and _is_epochs(value)) or _counts_epochs(value)
+            for key, value in config.items()
+        )
+    if isinstance(config, (list, tuple)):
+        return any(_counts_epochs(item) for item in config)
+    return False
+
+
+_BOUNDARY_KEYS = ("until", "update_start", "update_stop")
+
+
+def _is_epochs(value: Any) -> bool:
+    try:
+        return parse_boundary(value).kind == "epochs"
+    except (TypeError, ValueError):  # reported when the callback is built
+        return False
 
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])

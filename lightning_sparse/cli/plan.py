@@ -10,10 +10,10 @@ plan`` prints that and plots the schedule (:mod:`lightning_sparse.cli.plot`).
 
 The run length is what ``trainer.estimated_stepping_batches`` will be at fit start: ``max_steps``
 when the run is bounded by steps only, otherwise ``max_epochs`` times the optimizer steps per
-epoch (the train loader's batches, capped by ``limit_train_batches``, divided among the devices
-(on several devices the distributed sampler's rounding may add a batch) and by
-``accumulate_grad_batches``), capped by ``max_steps``. The datamodule is set up only when
-the epoch length is needed.
+epoch (the train loader's batches divided among the devices (the distributed sampler's rounding
+may add a batch), capped by ``limit_train_batches``, divided by ``accumulate_grad_batches``),
+capped by ``max_steps``. The datamodule is set up only when the epoch length is needed: under
+``max_epochs``, or when a phase boundary counts epochs.
 
 Example:
     >>> import lightning as L
@@ -43,7 +43,7 @@ from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.callback import SparsityCallback
 from lightning_sparse.cli.flops import FlopSavings, linear_flops_per_token, run_savings
-from lightning_sparse.core.schedule import ResolvedPhase
+from lightning_sparse.core.schedule import ResolvedPhase, counts_epochs
 from lightning_sparse.core.selection import Selection
 from lightning_sparse.engine.report import plan_table, text_table
 from lightning_sparse.engine.sparsifier import Sparsifier
@@ -85,53 +85,69 @@ def run_length(
     trainer: pl.Trainer,
     datamodule: pl.LightningDataModule | None = None,
     world_size: int | None = None,
+    epochs: bool = False,
 ) -> tuple[RunLength, str]:
     """The run's optimizer steps and steps per epoch as fit start will see them, and how they
     were worked out (see the module docstring); ``world_size``: the run's processes, when
-    ``trainer`` was built with another number."""
+    ``trainer`` was built with another number; ``epochs``: a boundary counts epochs, so an
+    epoch's steps are needed even when ``max_steps`` alone bounds the run."""
     world_size = world_size or trainer.world_size
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
-    if max_epochs == -1 or max_epochs is None:
-        if max_steps == -1:
-            raise ValueError(
-                "the run has no length (max_epochs=-1 and max_steps=-1): set trainer.max_steps "
-                "or trainer.max_epochs so that the schedule's fractions can be resolved"
-            )
-        return RunLength(float(max_steps)), f"{max_steps} optimizer steps (max_steps)"
+    by_steps = max_epochs == -1 or max_epochs is None
+    if by_steps and max_steps == -1:
+        raise ValueError(
+            "the run has no length (max_epochs=-1 and max_steps=-1): set trainer.max_steps "
+            "or trainer.max_epochs (with a sized train dataloader) so that the schedule's "
+            "fractions can be resolved"
+        )
+    steps = f"{max_steps} optimizer steps (max_steps)"
+    if by_steps and not epochs:
+        return RunLength(float(max_steps)), steps
     if datamodule is None:
         raise ValueError(
-            f"max_epochs={max_epochs}: an epoch's length comes from the train dataloader, so "
-            f"give a datamodule, or bound the run with trainer.max_steps"
+            "a phase boundary counts epochs, whose length comes from the train dataloader, so "
+            "give a datamodule, or give the boundaries in steps ('1500 steps')"
+            if by_steps
+            else f"max_epochs={max_epochs}: an epoch's length comes from the train dataloader, "
+            f"so give a datamodule, or bound the run with trainer.max_steps"
         )
     datamodule.setup("fit")
-    try:
-        length = len(datamodule.train_dataloader())
-    except TypeError:  # an iterable dataset without a length
+    batches = _epoch_batches(
+        datamodule.train_dataloader(), trainer.limit_train_batches, world_size
+    )
+    per_device = f" per device on {world_size}" if world_size > 1 else ""
+    if not math.isfinite(batches):
         if max_steps == -1:
             raise ValueError(
                 "the train dataloader has no length, so max_epochs gives no number of steps: "
                 "set trainer.max_steps"
-            ) from None
-        return RunLength(float(max_steps)), f"{max_steps} optimizer steps (max_steps)"
-    batches = _limited(length, trainer.limit_train_batches)
-    batches = math.ceil(batches / max(1, world_size))
+            )
+        return RunLength(float(max_steps)), steps
     per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
-    total = per_epoch * max(max_epochs, 1)
-    how = (
-        f"max_epochs={max_epochs} x {per_epoch} optimizer steps per epoch ({batches} batches"
-        + (f" per device on {world_size}" if world_size > 1 else "")
-        + f", accumulate_grad_batches={trainer.accumulate_grad_batches})"
+    epoch = (
+        f"{per_epoch} optimizer steps per epoch ({batches} batches{per_device}, "
+        f"accumulate_grad_batches={trainer.accumulate_grad_batches})"
     )
+    if by_steps:
+        return RunLength(float(max_steps), float(per_epoch)), f"{steps}; {epoch}"
+    total = per_epoch * max(max_epochs, 1)
+    how = f"max_epochs={max_epochs} x {epoch}"
     if max_steps != -1 and max_steps < total:
         total, how = max_steps, f"max_steps, reached before {how}"
     return RunLength(float(total), float(per_epoch)), f"{total} optimizer steps: {how}"
 
 
-def _limited(length: int, limit: float) -> int:
-    """The train batches per epoch under ``limit_train_batches`` (as Lightning counts them)."""
+def _epoch_batches(loader: object, limit: float, world_size: int) -> float:
+    """The train batches of an epoch on one device, as Lightning counts them: a sized loader's
+    batches split among the devices (by the distributed sampler), then capped by
+    ``limit_train_batches``; ``inf`` for a loader without a length unless the cap is a count."""
+    try:
+        length: float = math.ceil(len(loader) / max(1, world_size))  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset without a length
+        length = math.inf
     if isinstance(limit, int):
         return min(length, limit)
-    return int(length * limit)
+    return int(length * limit) if math.isfinite(length) else length
 
 
 def _for_this_machine(trainer: pl.Trainer, model: nn.Module) -> nn.Module:
@@ -222,7 +238,8 @@ def plan_schedule(
             "the trainer has no SparsityCallback, so there is no schedule to plan: add one to "
             "trainer.callbacks (e.g. --config recipes/overlays/sparsity_24_70pct.yaml)"
         )
-    run, how = run_length(trainer, datamodule, world_size)
+    epochs = any(counts_epochs(cb.phases) for cb in callbacks)
+    run, how = run_length(trainer, datamodule, world_size, epochs)
     model = _for_this_machine(trainer, model)
     flops = linear_flops_per_token(model)
     precision = precision or str(trainer.precision)

@@ -30,6 +30,9 @@ _BOUNDARY_FORMS = (
     "a fraction of the run in (0, 1] such as 0.7, a percentage such as '70%', "
     "epochs such as '3 epochs' or '3ep', or optimizer steps such as '1500 steps' or 1500"
 )
+RUN_LENGTH_ADVICE = "set Trainer(max_steps=...) or Trainer(max_epochs=...) with a sized train dataloader"
+"""What makes an unknown run length known, for messages (a trainer that knows why its run has
+no length says more precisely: see ``RunLength.advice``)."""
 
 
 def parse_sparsity(value: Any, where: str = "sparsity") -> Sparsity:
@@ -136,16 +139,22 @@ class Boundary:
     value: float
     raw: int | float | str  #: as the user wrote it (for messages)
 
-    def resolve(self, total_steps: float, steps_per_epoch: float, where: str) -> int:
-        """The optimizer step this boundary names (an exclusive end)."""
+    def resolve(
+        self,
+        total_steps: float,
+        steps_per_epoch: float,
+        where: str,
+        advice: str = RUN_LENGTH_ADVICE,
+    ) -> int:
+        """The optimizer step this boundary names (an exclusive end); ``advice`` says what
+        makes an unknown run length known."""
         if self.kind == "steps":
             return int(self.value)
         if self.kind == "fraction":
             if not math.isfinite(total_steps):
                 raise ValueError(
                     f"{where}={self.raw!r} is a fraction of the run, but the trainer does not know "
-                    f"the run length: set Trainer(max_steps=...) or Trainer(max_epochs=...) with a "
-                    f"sized train dataloader, or give the boundary in steps ('1500 steps')"
+                    f"the run length: {advice}, or give the boundary in steps ('1500 steps')"
                 )
             return round(self.value * total_steps)
         if not math.isfinite(steps_per_epoch):
@@ -392,11 +401,12 @@ def resolve_phases(
     phases: list[Phase],
     total_steps: float = math.inf,
     steps_per_epoch: float = math.inf,
+    advice: str = RUN_LENGTH_ADVICE,
 ) -> list[ResolvedPhase]:
     """Place phases on the optimizer-step axis, checking that every phase is non-empty.
 
     ``total_steps`` is the run length in optimizer steps (``inf`` if unknown); the last phase
-    without ``until`` ends there.
+    without ``until`` ends there. ``advice`` says what makes an unknown run length known.
     """
     validate_phase_list(phases)
     resolved: list[ResolvedPhase] = []
@@ -406,7 +416,7 @@ def resolve_phases(
         if phase.end is None:
             end = None if not math.isfinite(total_steps) else int(total_steps)
         else:
-            end = phase.end.resolve(total_steps, steps_per_epoch, where)
+            end = phase.end.resolve(total_steps, steps_per_epoch, where, advice)
         if end is not None and end <= start:
             if phase.end is None:
                 raise ValueError(
@@ -422,6 +432,21 @@ def resolve_phases(
         resolved.append(ResolvedPhase(i, phase, start, end))
         start = end if end is not None else start
     return resolved
+
+
+def counts_epochs(phases: list[Phase]) -> bool:
+    """Whether a boundary of ``phases`` (``until``, ``update_start``, ``update_stop``) is given
+    in epochs, so that resolving it needs the optimizer steps of an epoch.
+
+    >>> counts_epochs([Phase(sparsity=0.5, until="2ep"), Phase()]), counts_epochs([Phase()])
+    (True, False)
+    """
+    return any(
+        parse_boundary(value).kind == "epochs"
+        for phase in phases
+        for value in (phase.until, phase.update_start, phase.update_stop)
+        if value is not None
+    )
 
 
 def phase_at(resolved: list[ResolvedPhase], step: int) -> ResolvedPhase | None:

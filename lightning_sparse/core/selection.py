@@ -327,3 +327,18 @@ def empty_selection_message(selection: Selection, group: str, model: str) -> str
         f"dense:\n{found}\nName the weights to sparsify with params=[...] (globs over these "
         f"names, e.g. params=['*.weight'])"
     )
+
+
+def check_disjoint(
+    name: str, selection: Selection, others: Sequence[tuple[str, Selection]]
+) -> None:
+    """Raise if a parameter of group ``name`` belongs to another group too."""
+    mine = {id(t.param) for t in selection.targets}
+    for other, other_selection in others:
+        for t in other_selection.targets:
+            if id(t.param) in mine:
+                raise ValueError(
+                    f"parameter {t.name!r} is claimed by SparsityCallback {other!r} and "
+                    f"SparsityCallback {name!r}: give the callbacks disjoint params/exclude "
+                    f"patterns (each parameter belongs to one group)"
+                )

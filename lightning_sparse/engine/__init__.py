@@ -1,2 +1,3 @@
-"""The engine: one group's sparsifier (no Lightning), optimizer-state masking, sharded tensors,
-threads for mask updates, and the fit-start table and end-of-fit summary."""
+"""The engine: one group's sparsifier (no Lightning), its checkpoint state, optimizer-state
+masking, sharded tensors, threads for mask updates, and the fit-start table and end-of-fit
+summary."""

@@ -69,6 +69,11 @@ def summary(
     sp = sparsifier
     lines = [f"SparsityCallback '{sp.name}' summary"]
     entries = [(step, index) for step, index in sp.history]
+    if entries and entries[0][0] > 0:  # resumed into this schedule (on_schedule_change)
+        lines.append(
+            f"  steps 0-{entries[0][0] - 1}: another schedule (this one from step "
+            f"{entries[0][0]})"
+        )
     for i, (step, index) in enumerate(entries):
         end = entries[i + 1][0] if i + 1 < len(entries) else final_step
         if end <= step and i + 1 < len(entries):

@@ -26,13 +26,12 @@ Example (plain PyTorch):
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_sparse.algorithms import (
     UNKNOWN_RUN,
@@ -51,7 +50,6 @@ from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import (
     install_masked_forward,
     install_sparse_attribute,
-    straight_through_unsupported,
     uninstall_forward,
 )
 from lightning_sparse.backends.semi_structured import (
@@ -59,16 +57,17 @@ from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
 )
 from lightning_sparse.backends.speed import SpeedCheck
-from lightning_sparse.core.layers import nm_unsupported
 from lightning_sparse.core.schedule import ResolvedPhase, phase_at
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
+from lightning_sparse.engine.feasibility import check_phase
 from lightning_sparse.engine.layer_threads import (
     for_each_layer,
     update_threads,
 )
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
+from lightning_sparse.engine.resume import pack_state, plan_restore, schedule_record
 from lightning_sparse.engine.sharding import gather_full, shard_like
-from lightning_sparse.masks import NM, sparsity_fraction
+from lightning_sparse.masks import sparsity_fraction
 from lightning_sparse.masks.elementwise import (
     apply_mask_change_,
     as_multiplier,
@@ -76,10 +75,6 @@ from lightning_sparse.masks.elementwise import (
     multiply_by_mask_,
     runs_compiled,
 )
-from lightning_sparse.masks.patterns import not_a_mask
-
-STATE_VERSION = 1
-
 
 COMPILED_GRADIENT_MASKING = 1 << 24
 """Gradient entries (all of a group's together) from which :meth:`Sparsifier.mask_gradients`
@@ -144,7 +139,7 @@ class Sparsifier:
         self.backends: dict[tuple[int, str], BackendChoice] = {}
         for phase in self.phases:
             if phase.index in self.algorithms:
-                self._check_phase(phase, self.algorithms[phase.index])
+                check_phase(phase, self.algorithms[phase.index], self.targets)
                 for t in self.targets:
                     choice = choose_backend(
                         backend,
@@ -175,42 +170,6 @@ class Sparsifier:
         ] = []  # (step entered, phase index or None)
         self._grad_lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         self._unverified = False  # sparse forwards installed, not yet seen to run
-
-    # -- validation ---------------------------------------------------------------------------
-    def _check_phase(self, phase: ResolvedPhase, algorithm: SparsityAlgorithm) -> None:
-        where = f"phases[{phase.index}]"
-        for t in self.targets:
-            if isinstance(phase.target, NM):
-                reason = nm_unsupported(t.layer, t.param.shape, phase.target.m)
-                if reason is not None:
-                    raise ValueError(
-                        f"{where}: sparsity '{phase.target}' is impossible for parameter {t.name!r}: "
-                        f"{reason}; exclude it (exclude=[{self._pattern(t)!r}]) or use a float "
-                        f"sparsity"
-                    )
-            if algorithm.straight_through:
-                for module_name, module, attr in t.owners:
-                    if t.sparse_reads:  # every read of module.attr will be sparse
-                        continue
-                    reason = read_elsewhere(t.readers) or straight_through_unsupported(
-                        module, attr
-                    )
-                    if reason is None and len(t.owners) > 1:
-                        reason = "it is shared by several modules (tied weights)"
-                    if reason is not None:
-                        raise ValueError(
-                            f"{where}: algorithm {algorithm.name!r} masks the forward of each "
-                            f"layer, but parameter {t.name!r} ({module_name or 'model'}) cannot: "
-                            f"{reason}; use a hard-mask algorithm ({_hard_mask_for(phase)}) "
-                            f"or exclude it (exclude=[{self._pattern(t)!r}])"
-                        )
-
-    def _pattern(self, t: ParamTarget) -> str:
-        """A pattern that names ``t`` alone among the group (a glob matches dotted suffixes:
-        ``conv1.weight`` would also take ``layer1.0.conv1.weight``)."""
-        if any(o.name.endswith("." + t.name) for o in self.targets):
-            return f"re:^{re.escape(t.name)}$"
-        return t.name
 
     # -- phases ---------------------------------------------------------------------------------
     @property
@@ -272,6 +231,11 @@ class Sparsifier:
     def close(self) -> None:
         """Remove every installed forward and drop the masks (weights stay as they are)."""
         self._leave()
+
+    def belongs_to(self, module: nn.Module) -> bool:
+        """Whether the group's parameters are ``module``'s (a group of none belongs nowhere)."""
+        params = {id(p) for p in module.parameters()}
+        return any(id(t.param) in params for t in self.targets)
 
     # -- masks ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -555,7 +519,8 @@ class Sparsifier:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Phase, last update step and masks as ``<param>_mask`` bool tensors (on the CPU).
+        """Phase, last update step, masks as ``<param>_mask`` bool tensors (on the CPU) and the
+        schedule (see :mod:`~lightning_sparse.engine.resume`).
 
         Masks of sharded parameters are gathered (a collective: call on every rank), so the
         saved masks are whole tensors whatever the strategy."""
@@ -564,115 +529,55 @@ class Sparsifier:
             for t in self.targets:
                 mask = gather_full(self.current_mask(t))
                 masks[f"{t.name}_mask"] = mask.detach().to("cpu", copy=True)
-        return {
-            "version": STATE_VERSION,
-            "phase": _index(self.current),
-            "last_update_step": self.last_update_step,
-            "history": list(self.history),
-            "masks": masks,
-        }
-
-    def load_state_dict(
-        self, state: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]
-    ) -> None:
-        """Restore a saved state exactly. Saved masks are whole tensors, so a checkpoint resumes
-        on any number of ranks, sharded or not. A malformed state (a phase this schedule lacks,
-        a mask missing, extra, mis-shaped or not bool) raises a ``ValueError`` naming the
-        parameter before anything changes."""
-        index, step, history, saved = _checked_state(self.name, state)
-        if index is not None and index >= len(self.phases):
-            raise ValueError(
-                f"[{self.name}] the checkpoint was saved in phase {index + 1}, but this schedule "
-                f"has {len(self.phases)} phase(s): resume with the schedule it was trained with"
-            )
-        sparse = index is not None and index in self.algorithms
-        if saved and not sparse:
-            raise ValueError(
-                f"[{self.name}] the checkpoint holds masks, but phase {index} of this schedule "
-                f"is dense: resume with the schedule the checkpoint was trained with"
-            )
-        masks = {}
-        names = {f"{t.name}_mask" for t in self.targets}
-        extra = sorted(map(str, set(saved) - names)) if sparse else []
-        if extra:
-            raise ValueError(
-                f"[{self.name}] the checkpoint has masks for parameters this group does not "
-                f"select: {extra[:5]}: resume with the same params/exclude"
-            )
-        for t in self.targets if sparse else ():
-            key = f"{t.name}_mask"
-            if key not in saved:
-                raise ValueError(
-                    f"[{self.name}] the checkpoint has no mask for parameter {t.name!r} ({key}); "
-                    f"it has masks for {sorted(map(str, saved))[:5]}...: resume with the same "
-                    f"params/exclude"
-                )
-            mask = saved[key]
-            problem = not_a_mask(mask)
-            if problem is not None:
-                raise ValueError(
-                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} is "
-                    f"{problem}; the checkpoint is damaged or was not written by "
-                    f"SparsityCallback"
-                )
-            if tuple(mask.shape) != tuple(t.param.shape):
-                raise ValueError(
-                    f"[{self.name}] the checkpoint's mask for parameter {t.name!r} has shape "
-                    f"{tuple(mask.shape)}, but the parameter has shape {tuple(t.param.shape)}"
-                )
-            masks[t.name] = mask.to(device=t.param.device)
-        self._leave()
-        self.last_update_step = step
-        self.history = history
-        self.current = None if index is None else self.phases[index]
-        if sparse:
-            self._apply(masks, optimizers, zero_state=False)
-
-
-def _checked_state(
-    name: str, state: Any
-) -> tuple[int | None, int, list[tuple[int, int | None]], Mapping[str, Any]]:
-    """(phase, last update step, history, masks) of a saved state, checked for type and range."""
-
-    def bad(what: str) -> ValueError:
-        return ValueError(
-            f"[{name}] the checkpoint's sparsity state {what}; the checkpoint is damaged or was "
-            f"not written by SparsityCallback"
+        record = schedule_record(self.phases, self.targets)
+        return pack_state(
+            _index(self.current), self.last_update_step, self.history, masks, record
         )
 
-    def is_int(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        optimizers: Sequence[torch.optim.Optimizer],
+        step: int | None = None,
+        on_schedule_change: str = "error",
+    ) -> PhaseChange | None:
+        """Restore a saved state exactly. Saved masks are whole tensors, so a checkpoint resumes
+        on any number of ranks, sharded or not. A malformed state (a phase this schedule lacks,
+        a mask missing, extra, mis-shaped, not bool or breaking its phase's N:M pattern) raises
+        a ``ValueError`` naming the parameter before anything changes.
 
-    if not isinstance(state, Mapping):
-        raise bad(f"is a {type(state).__name__}, not a dict")
-    version = state.get("version", STATE_VERSION)
-    if not (is_int(version) and 1 <= version <= STATE_VERSION):
-        if is_int(version) and version > STATE_VERSION:
-            raise ValueError(
-                f"[{name}] the checkpoint's sparsity state has version {version}, but this "
-                f"lightning_sparse reads versions 1 to {STATE_VERSION}: upgrade lightning_sparse"
-            )
-        raise bad(f"has version {version!r}, not 1 to {STATE_VERSION}")
-    index = state.get("phase")
-    if index is not None and not (is_int(index) and index >= 0):
-        raise bad(f"has phase {index!r}, not a phase index (0, 1, ...) or None")
-    step = state.get("last_update_step", -1)
-    if not (is_int(step) and step >= -1):
-        raise bad(f"has last_update_step {step!r}, not a step (-1 for none)")
-    history = state.get("history", [])
-    pairs = isinstance(history, (list, tuple)) and all(
-        isinstance(h, (list, tuple))
-        and len(h) == 2
-        and is_int(h[0])
-        and (h[1] is None or is_int(h[1]))
-        for h in history
-    )
-    if not pairs:
-        raise bad(f"has history {str(history)[:80]}, not a list of (step, phase) pairs")
-    masks = state.get("masks", {})
-    if not isinstance(masks, Mapping):
-        raise bad(f"has masks of type {type(masks).__name__}, not a dict")
-    return index, step, [tuple(h) for h in history], masks
+        A state saved with another schedule or other parameters (see
+        :func:`~lightning_sparse.engine.resume.schedule_changes`) raises a ``ValueError`` that
+        lists the differences, unless ``on_schedule_change="reselect"``: then this schedule
+        applies from ``step``, the step training resumes at, where the masks are chosen afresh
+        for the phase it has there; the phase change is returned, and the history starts
+        there."""
+        restore = plan_restore(
+            self.name,
+            state,
+            self.phases,
+            self.algorithms,
+            self.targets,
+            step,
+            on_schedule_change,
+        )
+        if restore.note is not None:
+            self.log(restore.note)
+        self._leave()
+        if restore.masks is None:  # a changed schedule, applied from the resume step
+            assert step is not None
+            self.history = []  # the saved one counts another schedule's phases
+            self.last_update_step = step  # masks chosen at this step: no update on top
+            phase = phase_at(self.phases, step)
+            self.enter(phase, step, optimizers)
+            return PhaseChange(step, None, phase)
+        index = restore.saved.phase
+        self.history = list(restore.saved.history)
+        self.last_update_step = restore.saved.last_update_step
+        self.current = None if index is None else self.phases[index]
+        if index is not None and index in self.algorithms:
+            self._apply(restore.masks, optimizers, zero_state=False)
+        return None
 
 
 def _all_finite(x: Tensor) -> bool:
@@ -704,11 +609,6 @@ def _projection(t: ParamTarget, algo: SparsityAlgorithm) -> Callable[[Tensor], T
     if layer.to_rows(t.param) is t.param:
         return algo.project
     return lambda weight: layer.from_rows(algo.project(layer.to_rows(weight)))
-
-
-def _hard_mask_for(phase: ResolvedPhase) -> str:
-    """The built-in hard-mask algorithms that accept ``phase``'s target, for messages."""
-    return "'static'" if isinstance(phase.target, NM) else "'static', 'gmp'"
 
 
 def _index(phase: ResolvedPhase | None) -> int | None:

@@ -30,8 +30,9 @@ import torch
 from torch import Tensor
 from torch.torch_version import TorchVersion
 
+from lightning_sparse.engine.resume import STATE_VERSION
 from lightning_sparse.engine.sharding import gather_full
-from lightning_sparse.engine.sparsifier import STATE_VERSION
+from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks.patterns import not_a_mask
 
 SAFE_LOAD_TORCH = (2, 10)
@@ -124,6 +125,21 @@ def _group_masks(state: Any, where: str) -> dict[str, Tensor]:
     return dict(masks)
 
 
+def _check_fitted_here(trainer: pl.Trainer) -> None:
+    """Raise if a sparsity callback of ``trainer`` has since been fit on another model: its
+    masks are that model's now (a callback holds the engine of its latest fit)."""
+    for cb in trainer.callbacks:
+        sparsifier = getattr(cb, "sparsifier", None)
+        if not isinstance(sparsifier, Sparsifier) or not sparsifier.targets:
+            continue
+        if not sparsifier.belongs_to(trainer.lightning_module):
+            raise ValueError(
+                f"export_state_dict(trainer): {cb.state_key} of this trainer has since been "
+                f"fit on another model, so the masks it holds are that model's: export each "
+                f"model right after its fit, or give each model its own SparsityCallback"
+            )
+
+
 def _load_checkpoint(path: str | Path, trusted: bool) -> Any:
     """``torch.load`` on the CPU: in full if ``trusted``, else tensors and plain values only."""
     if not trusted and TorchVersion(torch.__version__) < SAFE_LOAD_TORCH:
@@ -192,6 +208,7 @@ def export_state_dict(
             writer you trust (e.g. a checkpoint whose ``hyper_parameters`` hold your own classes).
     """
     if isinstance(source, pl.Trainer):
+        _check_fitted_here(source)
         # found by state key, as in a checkpoint: export sits below the callback
         states = {cb.state_key: cb.state_dict() for cb in source.callbacks}
         masks = _checkpoint_masks({"callbacks": states}, "the trainer's callbacks")
