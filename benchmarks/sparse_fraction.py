@@ -23,7 +23,12 @@ Every run ends with a validation pass; an always-sparse run is evaluated with it
 Runs go to ``--workers`` processes of ``--threads`` threads each. Prints one Markdown table
 (mean ± sample std over the seeds, and each seed's value) and the setup.
 
+With ``--schedules decay`` the five schedules are 2:4 with and without masked decay
+(``decay: 2e-4``, SR-STE) against dense; every run logs the flip rate every 25 steps, printed as
+a table (first, peak, last; mean over the seeds) and, with ``--flip-plot``, drawn.
+
     python benchmarks/sparse_fraction.py                      # 30 runs, ~25-35 min on 2 cores
+    python benchmarks/sparse_fraction.py --schedules decay --flip-plot docs/flip_rate.png
     python benchmarks/sparse_fraction.py --seeds 1 --vit-epochs 2 --gpt-steps 40   # smoke test
 """
 
@@ -46,6 +51,7 @@ from typing import Any
 import lightning as L
 import torch
 from common import markdown_table
+from lightning.pytorch.loggers import Logger
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.demo import (
@@ -55,6 +61,8 @@ from lightning_sparse.demo import (
     ViTClassifier,
 )
 
+DECAY = 2e-4
+"""Masked decay of the ``+ decay`` schedules (SR-STE's lambda_W)."""
 SCHEDULES: dict[str, list[dict[str, Any]] | None] = {
     "dense": None,
     "2:4 for 40%, then dense": [{"sparsity": "2:4", "until": 0.4}, {"sparsity": 0.0}],
@@ -64,12 +72,28 @@ SCHEDULES: dict[str, list[dict[str, Any]] | None] = {
         {"sparsity": 0.7, "until": 0.7},
         {"sparsity": 0.0},
     ],
+    "2:4 for 70% + decay, then dense": [
+        {"sparsity": "2:4", "until": 0.7, "decay": DECAY},
+        {"sparsity": 0.0},
+    ],
+    "2:4 always + decay": [{"sparsity": "2:4", "decay": DECAY}],
 }
+MASKED_DECAY = [
+    "dense",
+    "2:4 for 70%, then dense",
+    "2:4 for 70% + decay, then dense",
+    "2:4 always (100%)",
+    "2:4 always + decay",
+]
+"""The schedules of ``--schedules decay``: 2:4 with and without masked decay (SR-STE)."""
 PARAMS = {
     "vit": ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"],
     "gpt": ["transformer.h.*.mlp.c_fc.weight", "transformer.h.*.mlp.c_proj.weight"],
 }
 METRIC = {"vit": "val/acc", "gpt": "val/loss"}
+FLIP_RATE = "sparsity/sparsity/flip_rate"  # the callback's default name is "sparsity"
+FLIP_EVERY = 25
+"""Optimizer steps between logged flip rates."""
 GPT_BATCHES_PER_EPOCH = 200
 
 
@@ -102,8 +126,31 @@ def _init_worker(threads: int) -> None:
     warnings.filterwarnings("ignore")
 
 
-def train(run: Run) -> tuple[Run, float, float]:
-    """One run: ``(run, final task metric, wall seconds)``."""
+class FlipRates(Logger):
+    """Keeps the logged flip rate of the sparsity callback, ``{step: rate}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates: dict[int, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "flip_rates"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if FLIP_RATE in metrics and step is not None:
+            self.rates[step] = float(metrics[FLIP_RATE])
+
+
+def train(run: Run) -> tuple[Run, float, float, dict[int, float]]:
+    """One run: ``(run, final task metric, wall seconds, flip rate by step)``."""
     L.seed_everything(run.seed, verbose=False)
     model, data, length = _build(run)
     phases = SCHEDULES[run.schedule]
@@ -112,10 +159,12 @@ def train(run: Run) -> tuple[Run, float, float]:
         if phases is None
         else [SparsityCallback(phases=phases, params=PARAMS[run.model], verbose=False)]
     )
+    flips = FlipRates()
     trainer = L.Trainer(
         accelerator="cpu",
         callbacks=callbacks,
-        logger=False,
+        logger=flips,
+        log_every_n_steps=FLIP_EVERY,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -127,7 +176,7 @@ def train(run: Run) -> tuple[Run, float, float]:
     if run.model == "gpt" and trainer.global_step % GPT_BATCHES_PER_EPOCH:
         trainer.validate(model, data, verbose=False)  # the run ended mid-epoch
     metric = float(trainer.callback_metrics[METRIC[run.model]])
-    return run, metric, time.perf_counter() - start
+    return run, metric, time.perf_counter() - start, flips.rates
 
 
 def _cell(values: list[float]) -> str:
@@ -135,6 +184,57 @@ def _cell(values: list[float]) -> str:
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     each = ", ".join(f"{v:.3f}" for v in values)
     return f"{mean:.3f} ± {std:.3f} ({each})"
+
+
+def _mean_by_step(runs: list[dict[int, float]]) -> dict[int, float]:
+    steps = sorted(set.intersection(*(set(r) for r in runs)))
+    return {step: statistics.fmean(r[step] for r in runs) for step in steps}
+
+
+def flip_rate_table(flip_rates: dict[tuple[str, str], list[dict[int, float]]]) -> str:
+    """First, peak and last logged flip rate (mean over the seeds) of each sparse run."""
+    rows = []
+    for (model, schedule), runs in flip_rates.items():
+        mean = _mean_by_step(runs)
+        if not mean:
+            continue
+        peak = max(mean, key=mean.__getitem__)
+        first, last = min(mean), max(mean)
+        rows.append(
+            [
+                model,
+                schedule,
+                f"{100 * mean[first]:.2f}% (step {first})",
+                f"{100 * mean[peak]:.2f}% (step {peak})",
+                f"{100 * mean[last]:.2f}% (step {last})",
+            ]
+        )
+    header = ["model", "schedule", "first flip rate", "peak", "last"]
+    return markdown_table(header, rows)
+
+
+def plot_flip_rates(
+    flip_rates: dict[tuple[str, str], list[dict[int, float]]], path: str
+) -> None:
+    """The mean flip rate over the optimizer steps, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({model for model, _ in flip_rates})
+    fig, axes = plt.subplots(
+        1, len(models), figsize=(5 * len(models), 3.2), squeeze=False
+    )
+    for ax, model in zip(axes[0], models):
+        for (m, schedule), runs in sorted(flip_rates.items()):
+            mean = _mean_by_step(runs)
+            if m == model and mean:
+                ax.plot(list(mean), [100 * v for v in mean.values()], label=schedule)
+        ax.set(title=model, xlabel="optimizer step", ylabel="flip rate (%)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def main() -> None:
@@ -147,13 +247,31 @@ def main() -> None:
     parser.add_argument(
         "--models", nargs="+", default=["vit", "gpt"], choices=["vit", "gpt"]
     )
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["fraction"],
+        help="schedule names, or 'fraction' (the sparse fraction study: the first five) "
+        "or 'decay' (2:4 with and without masked decay)",
+    )
+    parser.add_argument(
+        "--flip-plot", help="write the mean flip rate over training to this PNG file"
+    )
     args = parser.parse_args()
+    groups = {"fraction": list(SCHEDULES)[:5], "decay": MASKED_DECAY}
+    schedules = [s for name in args.schedules for s in groups.get(name, [name])]
+    for name in schedules:
+        if name not in SCHEDULES:
+            parser.error(
+                f"--schedules: {name!r} is unknown; choose from {list(SCHEDULES)}"
+            )
     runs = [
         Run(model, schedule, seed, args.vit_epochs, args.gpt_steps)
         for seed in range(args.seeds)
         for model in args.models
-        for schedule in SCHEDULES
+        for schedule in schedules
     ]
+    flip_rates: dict[tuple[str, str], list[dict[int, float]]] = {}
     results: dict[tuple[str, str], dict[int, float]] = {}
     seconds: dict[str, list[float]] = {model: [] for model in args.models}
     started = time.perf_counter()
@@ -166,8 +284,10 @@ def main() -> None:
     ) as pool:
         futures = [pool.submit(train, run) for run in runs]
         for done, future in enumerate(as_completed(futures), 1):
-            run, metric, wall = future.result()
+            run, metric, wall, rates = future.result()
             results.setdefault((run.model, run.schedule), {})[run.seed] = metric
+            if rates:
+                flip_rates.setdefault((run.model, run.schedule), []).append(rates)
             seconds[run.model].append(wall)
             print(
                 f"[{done}/{len(runs)}] {run.model} | {run.schedule} | seed {run.seed}: "
@@ -182,13 +302,18 @@ def main() -> None:
         for m in args.models
     ]
     rows = []
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         cells = []
         for model in args.models:
             by_seed = results[model, schedule]
             cells.append(_cell([by_seed[s] for s in sorted(by_seed)]))
         rows.append([schedule, *cells])
     print(markdown_table(header, rows))
+    print()
+    print(flip_rate_table(flip_rates))
+    if args.flip_plot:
+        plot_flip_rates(flip_rates, args.flip_plot)
+        print(f"flip rates plotted to {args.flip_plot}")
     print()
     lengths = []
     if "vit" in args.models:
