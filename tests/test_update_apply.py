@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
-from lightning_sparse.engine import layer_threads, sparsifier
+from lightning_sparse.engine import gradients, layer_threads
 from lightning_sparse.engine.sparsifier import Sparsifier
 
 
@@ -98,7 +98,7 @@ def mask_gradients_at(net, grads, threads, monkeypatch):
         workers.append(n)
         return layer_threads.for_each_layer(work, items, sizes, n)
 
-    monkeypatch.setattr(sparsifier, "for_each_layer", for_each_layer)
+    monkeypatch.setattr(gradients, "for_each_layer", for_each_layer)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     sp = Sparsifier(
         "g",
@@ -127,7 +127,7 @@ def test_gradients_are_masked_bit_for_bit_whatever_the_dtype_and_threads(
     """Many plain CPU gradients are masked by compiled loops on torch's threads (float32/64
     with the [cpu] extra), else by torch's fused multiply: always the bits of
     ``grad * mask`` (signed zeros, NaN)."""
-    monkeypatch.setattr(sparsifier, "COMPILED_GRADIENT_MASKING", 0)  # any size
+    monkeypatch.setattr(gradients, "COMPILED_GRADIENT_MASKING", 0)  # any size
     torch.manual_seed(0)
     net = nn.ModuleList(nn.Linear(64, 32, bias=False).to(dtype) for dtype in dtypes)
     grads = []

@@ -60,6 +60,12 @@ from lightning_sparse.backends.speed import SpeedCheck
 from lightning_sparse.core.schedule import ResolvedPhase, phase_at
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
 from lightning_sparse.engine.feasibility import check_phase
+from lightning_sparse.engine.gradients import (
+    all_finite,
+    decay_gradients,
+    mask_gradients,
+    owned_by,
+)
 from lightning_sparse.engine.layer_threads import (
     for_each_layer,
     update_threads,
@@ -70,18 +76,9 @@ from lightning_sparse.engine.sharding import gather_full, shard_like
 from lightning_sparse.masks import sparsity_fraction
 from lightning_sparse.masks.elementwise import (
     apply_mask_change_,
-    as_multiplier,
     free_scratch,
     multiply_by_mask_,
-    runs_compiled,
 )
-
-COMPILED_GRADIENT_MASKING = 1 << 24
-"""Gradient entries (all of a group's together) from which :meth:`Sparsifier.mask_gradients`
-runs the compiled loops on torch's threads instead of torch's fused multiply. Below, a
-backward's gradients are still in the CPU cache, where torch's multiply is as fast; beyond, it
-runs well below memory speed (it casts the ``uint8`` masks element by element) and the compiled
-loops do not (``benchmarks/mask_update.py`` measures both)."""
 
 
 @dataclass
@@ -442,53 +439,26 @@ class Sparsifier:
         weights = [t.param for t in self.targets]
         in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
         grads = {id(p): p.grad for p in weights + in_optimizer if p.grad is not None}
-        return all(_all_finite(x.detach()) for x in [*weights, *grads.values()])
+        return all_finite([*weights, *grads.values()])
 
     def mask_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Zero the gradients of pruned weights: one fused ``torch._foreach_mul_`` per dtype
-        and device, by the masks' bytes (:func:`~lightning_sparse.masks.elementwise.as_multiplier`);
-        or, from :data:`COMPILED_GRADIENT_MASKING` entries on where the compiled loops take every
-        gradient, one loop per gradient (:func:`~lightning_sparse.masks.elementwise.multiply_by_mask_`)
-        on as many threads as torch uses."""
+        """Zero the gradients of pruned weights that ``optimizer`` updates
+        (:func:`~lightning_sparse.engine.gradients.mask_gradients`)."""
         key = id(optimizer)
         if key not in self._grad_lists:
-            chosen = self._owned_by(optimizer)
+            chosen = owned_by(self.targets, optimizer)
             self._grad_lists[key] = (
                 [t.param for t in chosen],
                 [self.masks[t.name] for t in chosen],
             )
-        params, masks = self._grad_lists[key]
-        pairs = [(p.grad, m) for p, m in zip(params, masks) if p.grad is not None]
-        if not pairs:
-            return
-        grads = [grad for grad, _ in pairs]
-        sizes = [grad.numel() for grad in grads]
-        compiled = sum(sizes) >= COMPILED_GRADIENT_MASKING and all(
-            runs_compiled(grad, mask) for grad, mask in pairs
-        )
-        if not compiled:
-            torch._foreach_mul_(grads, [as_multiplier(m) for _, m in pairs])
-            return
-        workers = update_threads(True, grads)
-        for_each_layer(lambda pair: multiply_by_mask_(*pair), pairs, sizes, workers)
+        mask_gradients(*self._grad_lists[key])
 
-    @torch.no_grad()
     def decay_gradients(self, optimizer: torch.optim.Optimizer, decay: float) -> None:
-        """Masked decay (SR-STE, Zhou et al. 2021): the gradient of every pruned entry gains
-        ``decay * weight``, so the optimizer pulls the weights the forward leaves out toward
-        zero and the mask settles. The mask is :meth:`current_mask`: the stored mask, or for
-        a projecting algorithm the projection of the weights, which have not changed since
-        this step's forwards. Sharded parameters decay their local shards."""
-        for t in self._owned_by(optimizer):
-            grad = t.param.grad
-            if grad is not None:
-                weight = t.param.detach()
-                grad.add_(weight.masked_fill(self.current_mask(t), 0), alpha=decay)
-
-    def _owned_by(self, optimizer: torch.optim.Optimizer) -> list[ParamTarget]:
-        """The group's targets whose parameters ``optimizer`` updates."""
-        in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [t for t in self.targets if id(t.param) in in_opt]
+        """Masked decay of the gradients ``optimizer`` applies, with :meth:`current_mask`: the
+        stored mask, or for a projecting algorithm the projection of the weights, which have
+        not changed since this step's forwards
+        (:func:`~lightning_sparse.engine.gradients.decay_gradients`)."""
+        decay_gradients(owned_by(self.targets, optimizer), self.current_mask, decay)
 
     # -- observability --------------------------------------------------------------------------
     def target_sparsity(self, step: int) -> float:
@@ -578,18 +548,6 @@ class Sparsifier:
         if index is not None and index in self.algorithms:
             self._apply(restore.masks, optimizers, zero_state=False)
         return None
-
-
-def _all_finite(x: Tensor) -> bool:
-    if type(x) is not torch.Tensor or x.numel() == 0:  # sharded (DTensor) or empty
-        return bool(torch.isfinite(x).all())
-    # a NaN or infinite entry makes the sum NaN or infinite (one reduction, cheaper than
-    # aminmax); a sum that overflowed is settled by the exact check
-    total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-    if bool(total.isfinite()):
-        return True
-    low, high = torch.aminmax(x)  # NaN if any entry is NaN, +-inf if any is
-    return bool(low.isfinite() & high.isfinite())
 
 
 def _rows(t: ParamTarget, tensor: Tensor) -> Tensor:
