@@ -41,7 +41,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.fixture(autouse=True)
 def _no_pytest_argv(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
-    monkeypatch.chdir(tmp_path)  # a fit without default_root_dir writes config.yaml here
+    monkeypatch.chdir(
+        tmp_path
+    )  # a fit without default_root_dir writes config.yaml here
 
 
 def test_help_lists_fit_validate_and_plan(capsys):
