@@ -170,8 +170,10 @@ class Phase:
         algorithm: mask rule (``"static"``, ``"magnitude"``, ``"gmp"``, ``"set"``, ``"rigl"``,
             ``"runtime"`` or a registered name).
             Default: ``"static"`` for a float sparsity, ``"runtime"`` for N:M when available.
-        init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``, or
-            ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model).
+        init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``,
+            ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model),
+            or ``"wanda"`` (``|W_ij| * ||X_j||_2``: the magnitude times the norm of the input it
+            multiplies, over ``calibration_batches`` batches of the training data).
         seed: seed for random choices; derived per parameter name, so identical on every rank.
         update_every: optimizer steps between mask updates (dynamic algorithms).
         update_start: where updates start (same forms as ``until``); default: phase start.
@@ -184,6 +186,7 @@ class Phase:
         initial_sparsity: where the ``gmp`` ramp starts.
         distribution: how the target spreads over layers: ``"uniform"``, ``"erk"`` or
             ``"global"``.
+        calibration_batches: batches the ``wanda`` input norms are gathered over (default 8).
         options: extra options for a custom algorithm.
 
     Example:
@@ -206,23 +209,33 @@ class Phase:
     ramp: str | dict[str, Any] | list[float] | None = None
     initial_sparsity: float | None = None
     distribution: str | None = None
+    calibration_batches: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.target: Sparsity = parse_sparsity(self.sparsity)
         self.end = None if self.until is None else parse_boundary(self.until)
-        if self.init not in (None, "topk", "random", "from_zeros"):
+        if self.init not in (None, "topk", "random", "from_zeros", "wanda"):
             raise ValueError(
-                f"init={self.init!r}: use 'topk' (largest magnitude), 'random' or 'from_zeros' "
-                f"(keep the weight's existing zeros pruned)"
+                f"init={self.init!r}: use 'topk' (largest magnitude), 'random', 'from_zeros' "
+                f"(keep the weight's existing zeros pruned) or 'wanda' (magnitude times input "
+                f"norm, from calibration batches)"
             )
-        for name in ("update_every",):
+        if self.calibration_batches is not None and self.init != "wanda":
+            raise ValueError(
+                f"calibration_batches={self.calibration_batches!r} does nothing without "
+                f"init='wanda' (init={self.init!r}): add init: wanda or remove it"
+            )
+        for name, unit in (
+            ("update_every", "optimizer steps"),
+            ("calibration_batches", "batches"),
+        ):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(
-                    f"{name}={value!r}: use a positive integer number of optimizer steps"
+                    f"{name}={value!r}: use a positive integer number of {unit}"
                 )
         for name in ("update_start", "update_stop"):
             if getattr(self, name) is not None:
