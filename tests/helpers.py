@@ -169,6 +169,19 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
+class WeightsAtTrainStart(L.Callback):
+    """A copy of the model's weights when training starts (after the callbacks before it, such
+    as a SparsityCallback that prunes at step 0)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = {
+            k: v.detach().clone() for k, v in pl_module.state_dict().items()
+        }
+
+
 class StepProbe(L.Callback):
     """Records, at every optimizer step, what the forward saw and what is stored."""
 
