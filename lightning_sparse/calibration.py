@@ -34,6 +34,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset
 
 
@@ -57,6 +58,10 @@ class TrainLoaderForwards:
             )
         source = train_loader(trainer)
         loader = own_loader(source)
+        # as Lightning's loop does: batch_idx only for a training_step that takes it
+        takes_index = is_param_in_hook_signature(
+            module.training_step, "batch_idx", min_args=2
+        )
         ran = 0
         with ExitStack() as stack:
             stack.enter_context(isolate_rng())
@@ -67,7 +72,7 @@ class TrainLoaderForwards:
             for index, batch in enumerate(itertools.islice(loader, batches)):
                 batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
                 with trainer.precision_plugin.train_step_context():
-                    module.training_step(batch, index)
+                    module.training_step(*(batch, index)[: 1 + takes_index])
                 ran += 1
         if ran == 0:
             raise ValueError(

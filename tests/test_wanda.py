@@ -406,3 +406,16 @@ def test_sparsifier_driven_directly_gathers_norms_from_its_forwards():
     assert torch.equal(sparsifier.masks["weight"], expected)
     assert len(seeds) == 1
     assert layer_type(net).input_squares is not None
+
+
+def test_a_training_step_without_batch_idx_is_called_as_lightning_calls_it():
+    class BatchOnly(Probe):
+        def training_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+            return super().training_step(batch, -1)
+
+    module = BatchOnly(nn.Linear(8, 8))
+    phases = [{"sparsity": 0.5, "init": "wanda", "calibration_batches": 2}]
+    cb = SparsityCallback(phases=phases, params=["layer.weight"], verbose=False)
+    loader = DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4)
+    fast_trainer(max_steps=1, callbacks=[cb]).fit(module, loader)
+    assert module.calibration_calls == 2
