@@ -30,7 +30,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from common import markdown_table
+from common import markdown_table, quiet_cpu_trainer
 
 from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.demo import GPTLanguageModel, PydocTextDataModule
@@ -80,16 +80,8 @@ def data(seed: int) -> PydocTextDataModule:
 
 
 def trainer(max_steps: int, callbacks: list[L.Callback]) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+    return quiet_cpu_trainer(
+        max_steps=max_steps, callbacks=callbacks, limit_val_batches=0
     )
 
 

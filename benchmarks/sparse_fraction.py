@@ -45,7 +45,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import markdown_table
+from common import markdown_table, quiet_cpu_trainer
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.demo import (
@@ -112,16 +112,7 @@ def train(run: Run) -> tuple[Run, float, float]:
         if phases is None
         else [SparsityCallback(phases=phases, params=PARAMS[run.model], verbose=False)]
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **length,
-    )
+    trainer = quiet_cpu_trainer(callbacks=callbacks, **length)
     start = time.perf_counter()
     trainer.fit(model, data)
     if run.model == "gpt" and trainer.global_step % GPT_BATCHES_PER_EPOCH:

@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -167,6 +168,39 @@ class StopAt(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+def resumable_fit(
+    tmp_path: Any,
+    callbacks: list[L.Callback],
+    max_steps: int,
+    stop_at: int | None = None,
+    ckpt_path: Any = None,
+    seed: int = 0,
+) -> TinyModule:
+    """Fit a :class:`TinyModule` on identical batches (see :class:`RepeatedBatch`) for
+    ``max_steps``; with ``stop_at``, stop after that step, writing ``step=<stop_at>.ckpt`` in
+    ``tmp_path``; with ``ckpt_path``, resume from it. Returns the model."""
+    L.seed_everything(seed, verbose=False)
+    model = TinyModule(lr=0.05, weight_decay=0.1)
+    callbacks = list(callbacks)
+    if stop_at:
+        checkpoint = ModelCheckpoint(
+            dirpath=tmp_path,
+            every_n_train_steps=stop_at,
+            save_top_k=-1,
+            filename="{step}",
+        )
+        callbacks += [StopAt(stop_at), checkpoint]
+    trainer = fast_trainer(
+        max_steps=max_steps,
+        deterministic=True,
+        callbacks=callbacks,
+        enable_checkpointing=bool(stop_at),
+    )
+    loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return model
 
 
 class WeightsAtTrainStart(L.Callback):

@@ -5,12 +5,10 @@ import zlib
 import lightning as L
 import pytest
 import torch
-from helpers import RepeatedBatch, StopAt, TinyModule, fast_trainer, random_loader
+from helpers import TinyModule, fast_trainer, random_loader, resumable_fit
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.algorithms import MaskContext, build_algorithm
@@ -481,28 +479,8 @@ def test_at_most_one_update_per_step_also_after_restoring_state():
 
 
 def resume_run(tmp_path, phases, stop_at=None, ckpt_path=None):
-    L.seed_everything(0, verbose=False)
-    model = TinyModule(lr=0.05, weight_decay=0.1)
-    callbacks = [SparsityCallback(phases=phases, verbose=False)]
-    if stop_at:
-        callbacks += [
-            StopAt(stop_at),
-            ModelCheckpoint(
-                dirpath=tmp_path,
-                every_n_train_steps=stop_at,
-                save_top_k=-1,
-                filename="{step}",
-            ),
-        ]
-    trainer = fast_trainer(
-        max_steps=12,
-        deterministic=True,
-        callbacks=callbacks,
-        enable_checkpointing=bool(stop_at),
-    )
-    loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
-    return model, callbacks[0]
+    callback = SparsityCallback(phases=phases, verbose=False)
+    return resumable_fit(tmp_path, [callback], 12, stop_at, ckpt_path), callback
 
 
 @pytest.mark.parametrize("algorithm", ["set", "rigl"])

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import RepeatedBatch, StopAt, TinyModule, fast_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from helpers import TinyModule, fast_trainer, resumable_fit
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -264,25 +263,11 @@ PHASES = [
 
 
 def resume_run(tmp_path, stop_at=None, ckpt_path=None, seed=0):
-    L.seed_everything(seed, verbose=False)
-    module = TinyModule(lr=0.05, weight_decay=0.1)
-    callbacks: list[L.Callback] = [SparsityCallback(phases=PHASES, verbose=False)]
-    calls = []
-    callbacks.append(CountCalibration(calls))
-    if stop_at:
-        callbacks += [
-            StopAt(stop_at),
-            ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=stop_at),
-        ]
-    trainer = fast_trainer(
-        max_steps=11,
-        deterministic=True,
-        callbacks=callbacks,
-        enable_checkpointing=bool(stop_at),
-    )
-    loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
-    trainer.fit(module, loader, ckpt_path=ckpt_path)
-    return module, callbacks[0], calls
+    callback = SparsityCallback(phases=PHASES, verbose=False)
+    calls: list[int] = []
+    callbacks = [callback, CountCalibration(calls)]
+    model = resumable_fit(tmp_path, callbacks, 11, stop_at, ckpt_path, seed)
+    return model, callback, calls
 
 
 class CountCalibration(L.Callback):
