@@ -1,11 +1,14 @@
-"""Shared helpers for the benchmarks: medians, live-tensor memory, Markdown tables."""
+"""Shared helpers for the benchmarks: medians, live-tensor memory, Markdown tables, a quiet
+CPU trainer."""
 
 from __future__ import annotations
 
 import gc
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
+import lightning as L
 import torch
 
 
@@ -37,3 +40,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def quiet_cpu_trainer(**kwargs: Any) -> L.Trainer:
+    """A CPU ``Trainer`` without loggers, checkpoints, progress bar, model summary or sanity
+    check; ``kwargs`` add to or override these."""
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    return L.Trainer(**{**defaults, **kwargs})

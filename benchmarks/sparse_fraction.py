@@ -50,7 +50,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import markdown_table
+from common import markdown_table, quiet_cpu_trainer
 from lightning.pytorch.loggers import Logger
 
 from lightning_sparse import SparsityCallback
@@ -160,16 +160,8 @@ def train(run: Run) -> tuple[Run, float, float, dict[int, float]]:
         else [SparsityCallback(phases=phases, params=PARAMS[run.model], verbose=False)]
     )
     flips = FlipRates()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        callbacks=callbacks,
-        logger=flips,
-        log_every_n_steps=FLIP_EVERY,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **length,
+    trainer = quiet_cpu_trainer(
+        callbacks=callbacks, logger=flips, log_every_n_steps=FLIP_EVERY, **length
     )
     start = time.perf_counter()
     trainer.fit(model, data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,6 +15,7 @@ from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
+from lightning_sparse.calibration import TrainLoaderForwards
 from lightning_sparse.core.schedule import (
     Phase,
     counts_epochs,
@@ -209,6 +210,7 @@ class SparsityCallback(Callback):
             fit_run_length(trainer, counts_epochs(self.phases)),
             autocast_dtype(trainer.precision),
             others,
+            calibration_forwards=TrainLoaderForwards(trainer),
         )
         if self.verbose:
             rank_zero_info(plan_table(self.sparsifier, self.selection))
@@ -220,12 +222,15 @@ class SparsityCallback(Callback):
         compute_dtype: torch.dtype | None = None,
         others: Sequence[tuple[str, Selection]] = (),
         gpu: GpuTarget | None = None,
+        calibration_forwards: Callable[[int, int], int] | None = None,
     ) -> tuple[Sparsifier, Selection]:
         """Select this group's parameters and build its engine for a run of ``run`` optimizer
         steps: what fit start does, without touching the model (no mask is applied), so it also
         serves dry runs (``lightning-sparse plan``). ``others`` are the ``(name, selection)`` of
         the other groups, which must own disjoint parameters; ``gpu`` chooses the backends for
-        that GPU instead of the parameters' device (a prediction).
+        that GPU instead of the parameters' device (a prediction); ``calibration_forwards``
+        runs the forwards ``init='wanda'`` gathers input norms from (fit start passes
+        :class:`~lightning_sparse.calibration.TrainLoaderForwards`).
 
         Example:
             >>> from torch import nn
@@ -255,6 +260,7 @@ class SparsityCallback(Callback):
             compute_dtype=compute_dtype,
             verify_speed=self.verify_speed,
             gpu=gpu,
+            calibration_forwards=calibration_forwards,
         )
         return sparsifier, selection
 

@@ -199,6 +199,52 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
+def resumable_fit(
+    tmp_path: Any,
+    callbacks: list[L.Callback],
+    max_steps: int,
+    stop_at: int | None = None,
+    ckpt_path: Any = None,
+    seed: int = 0,
+) -> TinyModule:
+    """Fit a :class:`TinyModule` on identical batches (see :class:`RepeatedBatch`) for
+    ``max_steps``; with ``stop_at``, stop after that step, writing ``step=<stop_at>.ckpt`` in
+    ``tmp_path``; with ``ckpt_path``, resume from it. Returns the model."""
+    L.seed_everything(seed, verbose=False)
+    model = TinyModule(lr=0.05, weight_decay=0.1)
+    callbacks = list(callbacks)
+    if stop_at:
+        checkpoint = ModelCheckpoint(
+            dirpath=tmp_path,
+            every_n_train_steps=stop_at,
+            save_top_k=-1,
+            filename="{step}",
+        )
+        callbacks += [StopAt(stop_at), checkpoint]
+    trainer = fast_trainer(
+        max_steps=max_steps,
+        deterministic=True,
+        callbacks=callbacks,
+        enable_checkpointing=bool(stop_at),
+    )
+    loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return model
+
+
+class WeightsAtTrainStart(L.Callback):
+    """A copy of the model's weights when training starts (after the callbacks before it, such
+    as a SparsityCallback that prunes at step 0)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = {
+            k: v.detach().clone() for k, v in pl_module.state_dict().items()
+        }
+
+
 class StepProbe(L.Callback):
     """Records, at every optimizer step, what the forward saw and what is stored."""
 
@@ -282,28 +328,7 @@ def resume_run(
     ckpt_path: Any = None,
     seed: int = 0,
 ) -> tuple[L.LightningModule, Any]:
-    """12 steps of ``phases`` on identical batches (so a resume sees the batches of the
-    uninterrupted run); with ``stop_at``, stop there and checkpoint; with ``ckpt_path``,
-    resume from it. Returns the model and the SparsityCallback."""
-    L.seed_everything(seed, verbose=False)
-    model = TinyModule(lr=0.05, weight_decay=0.1)
-    callbacks = [SparsityCallback(phases=phases, verbose=False)]
-    if stop_at:
-        callbacks += [
-            StopAt(stop_at),
-            ModelCheckpoint(
-                dirpath=tmp_path,
-                every_n_train_steps=stop_at,
-                save_top_k=-1,
-                filename="{step}",
-            ),
-        ]
-    trainer = fast_trainer(
-        max_steps=12,
-        deterministic=True,
-        callbacks=callbacks,
-        enable_checkpointing=bool(stop_at),
-    )
-    loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
-    return model, callbacks[0]
+    """12 steps of ``phases`` by :func:`resumable_fit` (so a resume sees the batches of the
+    uninterrupted run). Returns the model and the SparsityCallback."""
+    callback = SparsityCallback(phases=phases, verbose=False)
+    return resumable_fit(tmp_path, [callback], 12, stop_at, ckpt_path, seed), callback

@@ -321,8 +321,9 @@ data:
     ],
 )
 def test_config_errors_end_fit_with_a_message_not_a_traceback(
-    tmp_path, params, sparsity, message
+    tmp_path, params, sparsity, message, monkeypatch
 ):
+    monkeypatch.chdir(tmp_path)  # fit saves its config.yaml in the working directory
     config = tmp_path / "bad.yaml"
     config.write_text(BAD_FIT.format(params=params, sparsity=sparsity))
     with pytest.raises(SystemExit) as err:

@@ -1,7 +1,8 @@
 """DDP and FSDP2 on 2 CPU processes (gloo): masks are identical on every rank, without ever being
-broadcast, after every kind of mask update and after a resume; FSDP2 masks on sharded parameters
-equal the DDP masks at every step; so do the logged flip rates, and masked decay (on the 2:4
-phase) keeps the weights of both strategies equal.
+broadcast, after every kind of mask update (``init: wanda`` included, whose input norms each
+rank gathers from its own batches) and after a resume; FSDP2 masks on sharded parameters equal
+the DDP masks at every step; so do the logged flip rates, and masked decay (on the 2:4 phase)
+keeps the weights of both strategies equal.
 
 One 2-process job runs, for each strategy, every phase below in sequence (STEPS optimizer steps
 each), checkpoints inside the ``magnitude`` phase, and resumes from there.
@@ -60,6 +61,9 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
     ),
     ("global", {"sparsity": 0.6, "distribution": "global"}, False),
     ("erk", {"sparsity": 0.6, "distribution": "erk"}, False),
+    # each rank calibrates on its own batches: the norms are summed over the ranks
+    ("wanda", {"sparsity": 0.5, "init": "wanda", "calibration_batches": 2}, False),
+    ("wanda 2:4", {"sparsity": "2:4", "algorithm": "static", "init": "wanda"}, False),
 ]
 
 

@@ -50,6 +50,7 @@ from lightning_sparse.masks import (
     from_zeros_mask,
     name_seed,
     random_score,
+    row_target_mask,
     target_mask,
 )
 from lightning_sparse.masks.tiles import has_4x4_tiles, optimal_transposable_2to4_mask
@@ -65,6 +66,9 @@ class MaskContext:
     grad: Tensor | None = (
         None  #: dense (unmasked, accumulated, unscaled) gradient, if captured
     )
+    #: at a phase start with ``init='wanda'``: the root mean square of each input the weight
+    #: multiplies, over the calibration batches, shaped to broadcast against the weight's rows
+    input_norm: Tensor | None = None
 
     def random_score(self, like: Tensor) -> Tensor:
         """Uniform scores seeded by (seed, name, step): identical on every rank and resume."""
@@ -82,6 +86,11 @@ class RunLength:
 
 
 UNKNOWN_RUN = RunLength()
+
+DEFAULT_CALIBRATION_BATCHES = 8
+"""Batches ``init='wanda'`` gathers input norms over when a phase does not say: a few thousand
+input vectors per layer for a typical batch, a few forwards' worth of compute at the phase
+start (Wanda's masks change little beyond a handful of calibration samples)."""
 
 
 class SparsityAlgorithm:
@@ -128,7 +137,9 @@ class SparsityAlgorithm:
     supports_nm: ClassVar[bool] = True
     needs_grad: ClassVar[bool] = False
     projects: ClassVar[bool] = False
-    option_names: ClassVar[frozenset[str]] = frozenset({"init", "seed", "distribution"})
+    option_names: ClassVar[frozenset[str]] = frozenset(
+        {"init", "seed", "distribution", "calibration_batches"}
+    )
     default_update_every: ClassVar[int] = 100
     default_update_stop_fraction: ClassVar[float] = 1.0  # of the phase length
     layers_in_parallel: ClassVar[bool] = False
@@ -155,9 +166,15 @@ class SparsityAlgorithm:
         allowed = cls.accepted_options()
         for option in spec.explicit_options():
             if option not in allowed:
+                hint = (
+                    " (it derives the mask from the weights at every forward; for a mask "
+                    "chosen once at the phase start, use algorithm: static)"
+                    if cls.projects and option in SparsityAlgorithm.option_names
+                    else ""
+                )
                 raise ValueError(
                     f"{where}: option {option!r} does nothing for algorithm {cls.name!r}; "
-                    f"it accepts {sorted(allowed)}{_accepted_elsewhere(option)}"
+                    f"it accepts {sorted(allowed)}{hint}{_accepted_elsewhere(option)}"
                 )
         if isinstance(spec.target, NM) and not cls.supports_nm:
             raise ValueError(
@@ -174,6 +191,9 @@ class SparsityAlgorithm:
         self.phase = phase
         self.seed = spec.seed if spec.seed is not None else 0
         self.init = spec.init or "topk"
+        self.calibration_batches = (
+            spec.calibration_batches or DEFAULT_CALIBRATION_BATCHES
+        )
         self.update_every = spec.update_every or self.default_update_every
         self.update_start = self._resolve(
             spec.update_start, phase.start, run, f"{where}.update_start"
@@ -254,6 +274,12 @@ class SparsityAlgorithm:
             count += 1
         return count + 1
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether the first mask needs input norms (``init='wanda'``): the engine then runs
+        ``calibration_batches`` calibration forwards at the phase start."""
+        return self.init == "wanda"
+
     # -- masks ------------------------------------------------------------------------------
     def select(self, score: Tensor, target: Sparsity) -> Tensor:
         """Keep the highest-scoring weights so that ``target`` holds exactly.
@@ -280,12 +306,21 @@ class SparsityAlgorithm:
         self, weight: Tensor, mask: Tensor | None, ctx: MaskContext
     ) -> Tensor:
         """What masks are chosen by. At the phase start (``mask`` is ``None``): the magnitude
-        (``init='topk'``), a seeded random score (``init='random'``) or the magnitude with the
-        weight's zeros scoring -1 (``init='from_zeros'``). At an update: the magnitude of the
+        (``init='topk'``), a seeded random score (``init='random'``), the magnitude with the
+        weight's zeros scoring -1 (``init='from_zeros'``), or the magnitude times the input
+        norm (``init='wanda'``, from ``ctx.input_norm``). At an update: the magnitude of the
         kept weights, pruned ones scoring -1 (so pruning only removes). The ``global``
         distribution ranks the whole group by this score."""
         if mask is None and self.init == "random":
             return ctx.random_score(weight)
+        if mask is None and self.init == "wanda":
+            if ctx.input_norm is None:
+                raise ValueError(
+                    f"init='wanda' for parameter {ctx.name!r} needs its input norms "
+                    f"(MaskContext.input_norm), which the Sparsifier gathers with calibration "
+                    f"forwards"
+                )
+            return weight.detach().abs() * ctx.input_norm
         if mask is None and self.init == "topk":
             return weight.detach().abs()
         keep = weight != 0 if mask is None else mask
@@ -296,16 +331,21 @@ class SparsityAlgorithm:
         step: int,
         weights: Mapping[str, Tensor],
         masks: Mapping[str, Tensor] | None,
+        input_norms: Mapping[str, Tensor] | None = None,
     ) -> dict[str, Sparsity]:
         """Each layer's target for the masks chosen at ``step`` (``masks`` is ``None`` at the
-        phase start): :meth:`target_at` spread over the layers by the phase's ``distribution``.
-        Called once per mask choice, for the whole group, before the per-layer
-        :meth:`initial_mask` / :meth:`update_mask` calls that receive these targets."""
+        phase start; ``input_norms``: those of ``init='wanda'``): :meth:`target_at` spread
+        over the layers by the phase's ``distribution``. Called once per mask choice, for the
+        whole group, before the per-layer :meth:`initial_mask` / :meth:`update_mask` calls
+        that receive these targets."""
 
         def score(name: str) -> Tensor:
             mask = None if masks is None else masks[name]
+            norm = None if input_norms is None else input_norms[name]
             return self.selection_score(
-                weights[name], mask, MaskContext(name, step, self.seed)
+                weights[name],
+                mask,
+                MaskContext(name, step, self.seed, input_norm=norm),
             )
 
         shapes = {name: weight.shape for name, weight in weights.items()}
@@ -315,11 +355,16 @@ class SparsityAlgorithm:
         self, weight: Tensor, target: Sparsity, ctx: MaskContext
     ) -> Tensor:
         """The mask at phase start: the top of :meth:`selection_score`: largest magnitude
-        (``init='topk'``), seeded random, or the weight's own zeros (``init='from_zeros'``,
-        see :func:`~lightning_sparse.masks.from_zeros_mask`)."""
+        (``init='topk'``), seeded random, the weight's own zeros (``init='from_zeros'``, see
+        :func:`~lightning_sparse.masks.from_zeros_mask`), or the Wanda score
+        (``init='wanda'``), compared within each output row for an unstructured target, as
+        Wanda does (:func:`~lightning_sparse.masks.row_target_mask`)."""
         if self.init == "from_zeros":
             return from_zeros_mask(weight.detach(), target, ctx.name, self.select)
-        return self.select(self.selection_score(weight, None, ctx), target)
+        score = self.selection_score(weight, None, ctx)
+        if self.init == "wanda" and not isinstance(target, NM):
+            return row_target_mask(score, target)
+        return self.select(score, target)
 
     def update_mask(
         self, weight: Tensor, mask: Tensor, target: Sparsity, ctx: MaskContext

@@ -240,13 +240,14 @@ class DropAndGrow(SparsityAlgorithm):
         step: int,
         weights: Mapping[str, Tensor],
         masks: Mapping[str, Tensor] | None,
+        input_norms: Mapping[str, Tensor] | None = None,
     ) -> dict[str, Sparsity]:
         """At the phase start: the distribution's targets; at an update: each layer keeps the
         number of active weights it has (drop and regrowth swap weights, they never move the
         sparsity between layers)."""
         target = self.target_at(step)
         if masks is None or isinstance(target, NM):
-            return super().layer_targets(step, weights, masks)
+            return super().layer_targets(step, weights, masks, input_norms)
         return {
             name: (mask.numel() - count_true(mask)) / mask.numel()
             for name, mask in masks.items()

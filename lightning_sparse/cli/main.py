@@ -7,7 +7,14 @@ The same YAML recipes as any LightningCLI script (``model``, ``data``, ``trainer
     lightning-sparse fit --config base.yaml --config recipes/overlays/sparsity_24_70pct.yaml
     lightning-sparse validate --config recipes/vit/cpu_demo.yaml --ckpt_path last.ckpt
     lightning-sparse plan --config recipes/gpt/gpt2_24_70pct.yaml
+    lightning-sparse fit --config recipes/gpt/prune_finetune_cpu.yaml --init_from dense.ckpt
 
+``--init_from`` (or ``init_from:`` in a config) loads a model's weights before ``fit`` or
+``validate`` (a Lightning checkpoint, its masks folded in, or a :func:`~lightning_sparse.save_compressed`
+file), without any trainer state: the step counter, optimizer and schedule start afresh, which
+is how a trained model is pruned and fine-tuned. With ``--ckpt_path`` as well, the checkpoint
+is resumed and its weights win. ``--export_to`` (``fit`` only) writes the trained model's
+compressed safetensors file (:func:`~lightning_sparse.save_compressed`) when ``fit`` ends.
 ``fit`` ends with the task metrics (the ``val*`` entries of ``trainer.callback_metrics``) and
 the wall time, after each ``SparsityCallback``'s summary (phases with their step ranges, final
 sparsity). ``plan`` is a dry run that works on any machine: it builds the model and a CPU
@@ -35,12 +42,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 from jsonargparse import Namespace
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from torch import Tensor
 
 from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.cli.plan import SchedulePlan, format_plan, plan_schedule
 from lightning_sparse.cli.plot import PLOT_HINT, plot_schedule
 from lightning_sparse.core.schedule import parse_boundary
+from lightning_sparse.formats.compressed import load_compressed, save_compressed
+from lightning_sparse.formats.export import export_state_dict
 
 OVERLAY_ONLY = (
     "the config names no model{data}: a sparsity overlay (such as "
@@ -93,6 +103,22 @@ class SparseCLI(LightningCLI):
         self._epoch_boundaries = False  # a phase boundary counts epochs (plan)
         super().__init__(
             pl.LightningModule, pl.LightningDataModule, args=args, **kwargs
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """``--init_from`` and ``--export_to`` (see the module docstring)."""
+        parser.add_argument(
+            "--init_from",
+            type=str | None,
+            default=None,
+            help="load the model's weights from this Lightning checkpoint (masks folded in) or "
+            "compressed .safetensors file before fit/validate; no trainer state is restored",
+        )
+        parser.add_argument(
+            "--export_to",
+            type=str | None,
+            default=None,
+            help="fit: write the trained model as a compressed .safetensors file at the end",
         )
 
     def parse_arguments(self, parser: Any, args: ArgsType) -> None:
@@ -185,11 +211,40 @@ class SparseCLI(LightningCLI):
             sys.exit(f"lightning-sparse {subcommand}: {err}")
 
     def before_fit(self) -> None:
+        self._load_initial_weights()
         self._fit_started = time.perf_counter()
 
     def after_fit(self) -> None:
+        seconds = time.perf_counter() - self._fit_started
+        path = self.config["fit"].get("export_to")
+        if path:
+            state = export_state_dict(
+                self.trainer
+            )  # every rank: sharded weights gather
+            if self.trainer.is_global_zero:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                save_compressed(state, path)
         if self.trainer.is_global_zero:
-            print(fit_summary(self.trainer, time.perf_counter() - self._fit_started))
+            print(fit_summary(self.trainer, seconds))
+
+    def before_validate(self) -> None:
+        if self.config["validate"].get("export_to"):
+            raise ValueError(
+                "export_to writes the model that fit trained; validate trains nothing: remove "
+                "it, or export with lightning_sparse.save_compressed(checkpoint, path)"
+            )
+        self._load_initial_weights()
+
+    def _load_initial_weights(self) -> None:
+        """Load ``init_from`` into the model (weights only; see the module docstring)."""
+        path = self.config[self.subcommand].get("init_from")
+        if not path:
+            return
+        self.model.load_state_dict(initial_weights(path, self.model.state_dict()))
+        if self.trainer.is_global_zero:
+            print(
+                f"Loaded the model's weights from {path} (init_from: no trainer state)"
+            )
 
     def plan(
         self,
@@ -220,6 +275,32 @@ class SparseCLI(LightningCLI):
             return None
         stem = "+".join(c.stem for c in configs)
         return str(configs[0].parent / f"{stem}_plan.png")
+
+
+def initial_weights(path: str, expected: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The weights ``init_from`` names: a compressed ``.safetensors`` file, or a Lightning
+    checkpoint with its masks folded in; a ``ValueError`` says which keys or shapes do not
+    fit a model whose state dict is ``expected``."""
+    if not Path(path).is_file():
+        raise ValueError(f"init_from={path!r}: no such file")
+    if path.endswith(".safetensors"):
+        state = load_compressed(path)
+    else:
+        state = export_state_dict(path)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [
+        f"{k}: {tuple(state[k].shape)} in the file, {tuple(v.shape)} in the model"
+        for k, v in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"init_from={path!r} holds the weights of another model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, other shapes {shapes[:3]}; load a file written for "
+            f"this model (same class and init_args)"
+        )
+    return state
 
 
 def print_plan(

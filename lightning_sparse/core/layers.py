@@ -3,7 +3,8 @@
 Every mask rule works on *rows*: the weight as its layer computes with it, with the
 computation's input dimension last, so that N:M groups (and the columns of transposable 2:4
 tiles) run along the inputs. A layer type maps the stored weight to rows and back, says how
-many inputs an output reads, and computes the layer's forward with a given weight:
+many inputs an output reads, computes the layer's forward with a given weight, and sums the
+squares of the input features each weight entry multiplies (Wanda's input norms):
 
 ==========  =====================  ==========================  ==================
 layer type  stored weight          rows (N:M along the last)   2:4 matmul kernels
@@ -32,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,6 +59,10 @@ class LayerType:
     compute: Callable[[nn.Module, Tensor, Tensor], Tensor] | None = None
     #: the weight as the ``(out, in)`` matrix of ``input @ matrix.T`` (2:4 kernels), if any
     matrix: Callable[[Tensor], Tensor] | None = None
+    #: ``(module, input) -> (sums, count)``: over the ``count`` input vectors in ``input``, the
+    #: sum of the square of the feature each weight entry multiplies, shaped to broadcast
+    #: against the rows (``None``: a hook cannot see the inputs)
+    input_squares: Callable[[nn.Module, Tensor], tuple[Tensor, int]] | None = None
 
     def base(self, cls: type) -> type | None:
         """The class in ``cls``'s MRO that is this layer type's class, or ``None``."""
@@ -94,6 +100,46 @@ def _conv1d(module: nn.Module, input: Tensor, weight: Tensor) -> Tensor:
     return out.view(size_out)
 
 
+def _feature_squares(module: nn.Module, input: Tensor) -> tuple[Tensor, int]:
+    # Linear and Conv1D read the last axis of ``input`` as the features: (..., in) -> (1, in)
+    x = input.detach().reshape(-1, input.shape[-1])
+    sums = torch.linalg.vector_norm(x, dim=0, dtype=torch.float32).square()
+    return sums.unsqueeze(0), x.shape[0]
+
+
+def _patch_squares(module: nn.Module, input: Tensor) -> tuple[Tensor, int]:
+    """A convolution's inputs are its unfolded patches: feature (channel, kernel offset) of
+    every output position, after the layer's own padding. Sums come back as rows
+    ``(1, *kernel, in)``, or ``(out, *kernel, in / groups)`` for a grouped convolution (each
+    output row reads its own group's channels)."""
+    conv: nn.modules.conv._ConvNd = module  # type: ignore[assignment]
+    spatial = len(conv.kernel_size)
+    x = input.detach()
+    x = x.unsqueeze(0) if x.dim() == spatial + 1 else x  # unbatched
+    x = (
+        x.float().square()
+    )  # padding copies or zeros values, so it commutes with squaring
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    x = F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
+    for d, (k, stride, dilation) in enumerate(
+        zip(conv.kernel_size, conv.stride, conv.dilation)
+    ):
+        x = x.unfold(
+            2 + d, dilation * (k - 1) + 1, stride
+        )  # a view: (..., L_d, ..., span_d)
+    x = x[(..., *(slice(None, None, dilation) for dilation in conv.dilation))]
+    positions = tuple(range(2, 2 + spatial))
+    sums = x.sum((0, *positions))  # (in, *kernel)
+    count = x.shape[0] * math.prod(x.shape[i] for i in positions)
+    groups = conv.groups
+    rows = sums.view(groups, -1, *conv.kernel_size).movedim(
+        1, -1
+    )  # (g, *kernel, in / g)
+    if groups > 1:
+        rows = rows.repeat_interleave(conv.out_channels // groups, dim=0)
+    return rows, count
+
+
 LINEAR = LayerType(
     "Linear",
     "(out, in)",
@@ -104,6 +150,7 @@ LINEAR = LayerType(
     1,
     _linear,
     _same,
+    _feature_squares,
 )
 CONV1D = LayerType(
     "Conv1D",
@@ -115,6 +162,7 @@ CONV1D = LayerType(
     0,
     _conv1d,
     _transposed,
+    _feature_squares,
 )
 CONV = LayerType(
     "ConvNd",
@@ -125,6 +173,8 @@ CONV = LayerType(
     lambda rows: rows.movedim(-1, 1),
     1,
     _conv,
+    None,
+    _patch_squares,
 )
 STORED = LayerType(
     "parameter", "(d0, d1, ...)", "(d0, d1, ...)", lambda cls: False, _same, _same, 1

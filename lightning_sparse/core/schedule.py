@@ -230,8 +230,10 @@ class Phase:
         algorithm: mask rule (``"static"``, ``"magnitude"``, ``"gmp"``, ``"set"``, ``"rigl"``,
             ``"runtime"`` or a registered name).
             Default: ``"static"`` for a float sparsity, ``"runtime"`` for N:M when available.
-        init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``, or
-            ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model).
+        init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``,
+            ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model),
+            or ``"wanda"`` (``|W_ij| * ||X_j||_2``: the magnitude times the norm of the input it
+            multiplies, over ``calibration_batches`` batches of the training data).
         seed: seed for random choices (a whole number; a string of digits such as ``'1'``
             counts as the number); derived per parameter name, so identical on every rank.
         update_every: optimizer steps between mask updates (dynamic algorithms); a whole
@@ -249,6 +251,7 @@ class Phase:
         decay: masked decay of straight-through algorithms (SR-STE): every optimizer step,
             the gradient of each pruned weight gains ``decay * weight``, pulling the weights
             the forward leaves out toward zero (e.g. ``2e-4``); default off.
+        calibration_batches: batches the ``wanda`` input norms are gathered over (default 8).
         options: extra options for a custom algorithm.
 
     Example:
@@ -272,15 +275,17 @@ class Phase:
     initial_sparsity: float | None = None
     distribution: str | None = None
     decay: float | None = None
+    calibration_batches: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.target: Sparsity = parse_sparsity(self.sparsity)
         self.end = None if self.until is None else parse_boundary(self.until)
-        if self.init not in (None, "topk", "random", "from_zeros"):
+        if self.init not in (None, "topk", "random", "from_zeros", "wanda"):
             raise ValueError(
-                f"init={self.init!r}: use 'topk' (largest magnitude), 'random' or 'from_zeros' "
-                f"(keep the weight's existing zeros pruned)"
+                f"init={self.init!r}: use 'topk' (largest magnitude), 'random', 'from_zeros' "
+                f"(keep the weight's existing zeros pruned) or 'wanda' (magnitude times input "
+                f"norm, from calibration batches)"
             )
         if self.seed is not None:
             self.seed = parse_int(self.seed, "seed")
@@ -291,6 +296,15 @@ class Phase:
                 f"options={self.options!r}: give a custom algorithm's options as a dict "
                 f"such as {{'my_option': 1}}"
             )
+        if self.calibration_batches is not None:
+            self.calibration_batches = parse_int(
+                self.calibration_batches, "calibration_batches", minimum=1
+            )
+            if self.init != "wanda":
+                raise ValueError(
+                    f"calibration_batches={self.calibration_batches!r} does nothing without "
+                    f"init='wanda' (init={self.init!r}): add init: wanda or remove it"
+                )
         for name in ("update_start", "update_stop"):
             if getattr(self, name) is not None:
                 parse_boundary(getattr(self, name), name)

@@ -1,8 +1,9 @@
 """Whether a sparse phase can run on a group's parameters, checked when the group is built.
 
-Two questions, each answered per parameter before any mask exists: does the phase's N:M pattern
-fit the layer (groups of ``M`` along its inputs), and can a straight-through algorithm give the
-layer a masked forward (a weight read outside its layer, or tied to several layers, cannot).
+Three questions, each answered per parameter before any mask exists: does the phase's N:M
+pattern fit the layer (groups of ``M`` along its inputs), can a straight-through algorithm give
+the layer a masked forward (a weight read outside its layer, or tied to several layers, cannot),
+and can ``init: wanda`` see the inputs each weight multiplies.
 A ``ValueError`` names the parameter and a pattern that excludes it alone.
 
 Example:
@@ -28,6 +29,7 @@ from lightning_sparse.backends.masked import straight_through_unsupported
 from lightning_sparse.core.layers import nm_unsupported
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
+from lightning_sparse.engine.input_norms import input_norms_unsupported
 from lightning_sparse.masks import NM
 
 
@@ -37,6 +39,13 @@ def check_phase(
     """Raise if sparse ``phase`` (run by ``algorithm``) cannot run on one of ``targets``."""
     where = f"phases[{phase.index}]"
     for t in targets:
+        reason = input_norms_unsupported(t) if algorithm.calibrates else None
+        if reason is not None:
+            raise ValueError(
+                f"{where}: init='wanda' scores each weight by the norm of the input it "
+                f"multiplies, but parameter {t.name!r} cannot have one: {reason}; exclude it "
+                f"(exclude=[{_pattern(t, targets)!r}]) or use init: topk"
+            )
         if isinstance(phase.target, NM):
             reason = nm_unsupported(t.layer, t.param.shape, phase.target.m)
             if reason is not None:

@@ -66,6 +66,7 @@ from lightning_sparse.engine.gradients import (
     mask_gradients,
     owned_by,
 )
+from lightning_sparse.engine.input_norms import InputNorms
 from lightning_sparse.engine.layer_threads import (
     for_each_layer,
     update_threads,
@@ -73,7 +74,7 @@ from lightning_sparse.engine.layer_threads import (
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
 from lightning_sparse.engine.resume import pack_state, plan_restore, schedule_record
 from lightning_sparse.engine.sharding import gather_full, shard_like
-from lightning_sparse.masks import sparsity_fraction
+from lightning_sparse.masks import name_seed, sparsity_fraction
 from lightning_sparse.masks.elementwise import (
     apply_mask_change_,
     free_scratch,
@@ -106,6 +107,13 @@ class Sparsifier:
             against dense, and keep dense math where the sparse kernel is slower.
         gpu: choose backends for this GPU instead of the weights' device (a plan for another
             machine: the choices are predictions, and ``verify_speed`` measures nothing).
+        calibration_forwards: for phases with ``init='wanda'``: called as ``(batches, seed)``
+            at the phase start, it runs up to ``batches`` forwards of the model on training data
+            without gradients (any random choice seeded by ``seed``, and the RNG state restored
+            afterwards) and returns how many it ran; the selected layers' input norms are
+            gathered from them (:mod:`~lightning_sparse.engine.input_norms`).
+            :class:`~lightning_sparse.SparsityCallback` runs its ``training_step`` on the train
+            loader.
 
     Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
     shards like the parameter (see :mod:`lightning_sparse.engine.sharding`); call every method on
@@ -123,8 +131,10 @@ class Sparsifier:
         compute_dtype: torch.dtype | None = None,
         verify_speed: bool = False,
         gpu: GpuTarget | None = None,
+        calibration_forwards: Callable[[int, int], int] | None = None,
     ) -> None:
         self.name = name
+        self.calibration_forwards = calibration_forwards
         self.targets = list(targets)
         self.phases = list(phases)
         self.log = log
@@ -198,23 +208,46 @@ class Sparsifier:
         algo = self.algorithm
         if algo is None:
             return
+        norms = self._calibrate(algo, step) if algo.calibrates else {}
         # algorithms see rows: each weight as its layer computes, inputs last (core.layers)
         weights = {
             t.name: _rows(t, gather_full(t.param.detach())) for t in self.targets
         }
-        targets = algo.layer_targets(step, weights, None)
+        # input_norms only for init='wanda': a custom layer_targets may not take them
+        extra = {"input_norms": norms} if norms else {}
+        targets = algo.layer_targets(step, weights, None, **extra)
         masks = {
             t.name: _stored(
                 t,
                 algo.initial_mask(
                     weights[t.name],
                     targets[t.name],
-                    MaskContext(t.name, step, algo.seed),
+                    MaskContext(t.name, step, algo.seed, input_norm=norms.get(t.name)),
                 ),
             )
             for t in self.targets
         }
         self._apply(masks, optimizers)
+
+    def _calibrate(self, algo: SparsityAlgorithm, step: int) -> dict[str, Tensor]:
+        """The input norms of every target over the phase's calibration forwards (run with
+        the model as it is now: stored weights, no mask of this group installed)."""
+        assert self.current is not None
+        if self.calibration_forwards is None:
+            raise ValueError(
+                f"[{self.name}] phases[{self.current.index}]: init='wanda' gathers input norms "
+                f"with calibration forwards, and none were given: SparsityCallback runs them on "
+                f"the train loader; a Sparsifier driven directly needs "
+                f"calibration_forwards=(batches, seed) -> batches run"
+            )
+        seed = name_seed(algo.seed, "calibration", step)
+        with InputNorms(self.targets) as norms:
+            ran = self.calibration_forwards(algo.calibration_batches, seed)
+        self.log(
+            f"[{self.name}] step {step}: input norms for init='wanda' from {ran} "
+            f"calibration batch(es)"
+        )
+        return norms.result()
 
     def _leave(self) -> None:
         for t in self.targets:

@@ -8,6 +8,7 @@ use most.
 from lightning_sparse.masks.choose import (
     from_zeros_mask,
     prune_smallest_,
+    row_target_mask,
     smallest_kept,
     target_mask,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "prune_smallest_",
     "random_score",
     "random_subset",
+    "row_target_mask",
     "smallest_kept",
     "sparsity_fraction",
     "target_mask",

@@ -1,7 +1,8 @@
 """Keep-masks chosen by score: ``True`` keeps a weight.
 
 :func:`target_mask` keeps the highest scores so that a target holds exactly (a fraction of
-zeros, or N of every M along the input dimension); :func:`smallest_kept` and
+zeros, or N of every M along the input dimension); :func:`row_target_mask` compares scores
+within each output row only (as Wanda does); :func:`smallest_kept` and
 :func:`prune_smallest_` find and prune the kept weights of smallest magnitude; and
 :func:`from_zeros_mask` continues from a pruned weight. Ties go to the lower flat index.
 
@@ -40,6 +41,26 @@ def target_mask(score: Tensor, target: Sparsity) -> Tensor:
         mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
         return mask.reshape(score.shape)
     return mark_top_k(score, num_kept(score.numel(), float(target)))
+
+
+def row_target_mask(score: Tensor, sparsity: float) -> Tensor:
+    """A new mask that keeps the highest ``score`` entries of each row (the first axis), so that
+    an unstructured ``sparsity`` holds exactly over the whole tensor: of the
+    ``K = num_kept(numel, sparsity)`` kept entries, every row keeps ``K // rows`` and the first
+    ``K % rows`` rows one more (a whole number per row whenever ``sparsity * row_length`` is).
+    Ties go to the lower index within a row.
+
+    >>> row_target_mask(torch.tensor([[1.0, 3.0, 2.0, 2.0], [9.0, 8.0, 0.0, 7.0]]), 0.5).int().tolist()
+    [[0, 1, 1, 0], [1, 1, 0, 0]]
+    """
+    rows = score.reshape(score.shape[0], -1)
+    kept = num_kept(rows.numel(), float(sparsity))
+    per_row = torch.full((rows.shape[0], 1), kept // rows.shape[0], device=rows.device)
+    per_row[: kept % rows.shape[0]] += 1
+    order = torch.sort(rows, dim=1, descending=True, stable=True).indices
+    ranks = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
+    mask = torch.zeros_like(rows, dtype=torch.bool)
+    return mask.scatter_(1, order, ranks < per_row).reshape(score.shape)
 
 
 def smallest_kept(
