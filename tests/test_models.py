@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import StopAt, fast_trainer
+from hf_models import LMModule, tiny_gpt2, tiny_llama, token_loader, transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
+from probes import effective_rows, run_phase
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,53 +29,6 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks.tiles import transposable_2to4_mask
-
-transformers = pytest.importorskip("transformers")
-
-
-def tiny_gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-@torch.no_grad()
-def effective_rows(module: nn.Module) -> torch.Tensor:
-    """The weight a layer computes with, measured by feeding it an identity, as rows: ``(out,
-    in)`` for a matmul layer, ``(out, *kernel, in_channels)`` for a convolution (stride 1)."""
-    if isinstance(module, nn.Conv2d):
-        c, kh, kw = module.in_channels, *module.kernel_size
-        eye = torch.eye(c * kh * kw).view(-1, c, kh, kw)
-        ph, pw = module.padding  # the centre output sees the whole kernel
-        out = module(eye)[:, :, ph, pw]  # (c*kh*kw, out)
-        bias = 0 if module.bias is None else module.bias
-        return (out - bias).T.reshape(-1, c, kh, kw).movedim(1, -1)
-    n_in = module.weight.shape[0 if layer_type(module) is CONV1D else 1]
-    out = module(torch.eye(n_in))
-    bias = 0 if module.bias is None else module.bias
-    return (out - bias).T
-
-
-def run_phase(model: nn.Module, sparsity: Any, **spec: Any) -> Sparsifier:
-    """Enter a sparse phase on ``model`` with the default selection (plain PyTorch)."""
-    phases = resolve_phases([Phase(sparsity=sparsity, **spec)], total_steps=10)
-    sp = Sparsifier("t", select_parameters(model).targets, phases, backend="masked")
-    sp.on_step_start(0, [])
-    return sp
 
 
 def test_layer_types_of_the_models_people_bring():
@@ -151,26 +106,6 @@ def test_conv1d_semi_structured_emulation_multiplies_by_the_transposed_mask():
     rows = effective_rows(layer)
     dense = layer.weight.detach().T
     assert torch.equal(rows, dense * transposable_2to4_mask(dense))
-
-
-class LMModule(L.LightningModule):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def token_loader(steps: int = 4) -> DataLoader:
-    ids = torch.randint(
-        0, 256, (steps * 2, 16), generator=torch.Generator().manual_seed(0)
-    )
-    return DataLoader(TensorDataset(ids), batch_size=2)
 
 
 def test_gpt2_runtime_2to4_trains_sparse_then_dense():
