@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import fast_trainer
-from hf_models import LMModule, tiny_gpt2, token_loader
+from hf_models import LMModule, tiny_gpt2, token_loader, transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from probes import effective_rows, kept_per_group
 from safetensors import safe_open
@@ -108,6 +108,20 @@ def test_without_the_model_patterns_are_looked_for_along_the_stored_rows(tmp_pat
     save_compressed(ckpt, with_model, model=module, verbose=False)
     loaded, plain = load_compressed(with_model), load_compressed(path)
     assert all(torch.equal(loaded[k], plain[k]) for k in plain)
+
+
+def test_a_conv1d_pattern_needs_groups_of_inputs_only(tmp_path):
+    layer = transformers.pytorch_utils.Conv1D(130, 64)  # 64 inputs, 130 outputs
+    with torch.no_grad():
+        layer.weight.mul_(target_mask(layer.weight.T.abs(), NM(2, 4)).T)
+    path = tmp_path / "layer.safetensors"
+    save_compressed(layer.state_dict(), path, model=layer, verbose=False)
+    assert metadata(path)[1]["weight"] == {
+        "shape": [64, 130],
+        "pattern": "2:4",
+        "inputs": 0,
+    }
+    assert torch.equal(load_compressed(path)["weight"], layer.weight)
 
 
 def test_semi_structured_export_covers_conv1d_and_explains_what_it_skips_on_cpu():

@@ -153,9 +153,10 @@ def _nm_pattern(nonzero: Tensor, inputs: int | None = None) -> str | None:
 
 def _no_groups(shape: list[int], m: int, inputs: int | None) -> bool:
     """Whether a tensor of ``shape`` has no whole groups of ``m`` along its inputs."""
-    if len(shape) < 2 or math.prod(shape[1:]) % m:
+    if len(shape) < 2:
         return True
-    return inputs is not None and shape[inputs] % m != 0
+    along = math.prod(shape[1:]) if inputs is None else shape[inputs]
+    return along % m != 0
 
 
 def _inputs(layer: LayerType | None, ndim: int) -> int | None:
