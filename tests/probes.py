@@ -76,3 +76,28 @@ class EffectiveProbe(L.Callback):
         self.rows.append(
             {n: effective_rows(pl_module.get_submodule(n)) for n in self.modules}
         )
+
+
+PHASES = [
+    {"sparsity": "2:4", "until": 2},  # runtime: straight-through
+    {"sparsity": 0.7, "until": 4},  # static: hard masks
+    {"sparsity": 0.0},
+]
+"""Two sparse phases and a dense one over 5 optimizer steps, checked by :func:`assert_phases`."""
+
+
+def assert_phases(probe: EffectiveProbe, dense_zeros: float = 0.01) -> None:
+    """What every probed layer computed after each of the 5 steps of :data:`PHASES`: 2:4 along
+    its inputs, then exactly 70% zeros, then no mask (at most ``dense_zeros`` of its weights
+    still zero: those that have had no gradient since)."""
+    assert len(probe.rows) == 5
+    for step, layers in enumerate(probe.rows):
+        for name, rows in layers.items():
+            zeros = int((rows == 0).sum())
+            if step < 2:
+                assert bool((kept_per_group(rows, 4) <= 2).all()), (step, name)
+                assert zeros >= rows.numel() // 2, (step, name)
+            elif step < 4:
+                assert zeros == round(0.7 * rows.numel()), (step, name)
+            else:
+                assert zeros <= dense_zeros * rows.numel(), (step, name)
