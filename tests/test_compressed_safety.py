@@ -57,7 +57,9 @@ def with_sparse(metadata, entries):
 
 def test_save_writes_the_original_format_name_and_both_names_load(tmp_path, valid):
     tensors, metadata, _ = valid
-    assert metadata["format"] == FORMAT == "lightning_sparse.compressed/1"
+    # no tensor needs version 2 (an 'inputs' entry), so the file is version 1
+    assert metadata["format"] == "lightning_sparse.compressed/1"
+    assert FORMAT == "lightning_sparse.compressed/2"
     expected = valid_state()
     for name in (
         "lightning_sparse.compressed/1",
@@ -76,8 +78,8 @@ def test_save_writes_the_original_format_name_and_both_names_load(tmp_path, vali
     ("version", "message"),
     [
         (
-            "2",
-            r"format version '2', newer than this reader: this lightning_sparse reads version 1 \('lightning_sparse.compressed/1'\); upgrade lightning_sparse",
+            "3",
+            r"format version '3', newer than this reader: this lightning_sparse reads versions 1 to 2 \('lightning_sparse.compressed/2'\); upgrade lightning_sparse",
         ),
         ("0", r"format version '0', which no lightning_sparse wrote"),
         ("", r"format version '', which no lightning_sparse wrote"),
@@ -155,6 +157,56 @@ def test_metadata_that_lies_is_named(tmp_path, valid, tensor, change, message):
     with pytest.raises(ValueError, match=message) as err:
         load_compressed(path)
     assert str(path) in str(err.value) and repr(tensor) in str(err.value)
+
+
+def file_metadata(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
+
+
+def test_a_pattern_along_another_dimension_is_version_2_and_checked_there(tmp_path):
+    conv = torch.nn.Conv2d(8, 4, 3, bias=False)
+    with torch.no_grad():
+        conv.weight.view(4, 2, 4, 3, 3)[:, :, 2:] = 0  # 2 of every 4 input channels
+    path = tmp_path / "conv.safetensors"
+    save_compressed(conv.state_dict(), path, verbose=False)  # no model: as stored
+    metadata = file_metadata(path)
+    assert metadata["format"] == "lightning_sparse.compressed/1"
+    # as stored, (in, kh, kw) flattened: groups of 4 run along the kernel taps
+    assert sparse_meta(metadata)["weight"]["pattern"] is None
+    save_compressed(conv.state_dict(), path, model=conv, verbose=False)
+    metadata = file_metadata(path)
+    assert metadata["format"] == "lightning_sparse.compressed/2"
+    entry = sparse_meta(metadata)["weight"]
+    assert entry == {"shape": [4, 8, 3, 3], "pattern": "2:4", "inputs": 1}
+    assert torch.equal(load_compressed(path)["weight"], conv.weight)
+    tensors = load_file(path)
+    cases = {  # what the entry says -> what the reader says
+        "dimension 4": ({**entry, "inputs": 4}, r"inputs 4 is not a dimension"),
+        "a bool": ({**entry, "inputs": True}, r"inputs True is not a dimension"),
+        "the stored rows": (
+            {k: v for k, v in entry.items() if k != "inputs"},
+            r"claims pattern 2:4, but its bitmask keeps more than 2 of some 4",
+        ),
+        "kernel rows": (
+            {**entry, "inputs": 2},
+            r"shape \[4, 8, 3, 3\] has no groups of 4 along its inputs \(dimension 2\)",
+        ),
+    }
+    changed_path = tmp_path / "changed.safetensors"  # path's tensors are read from it
+    for changed, message in cases.values():
+        write(changed_path, tensors, with_sparse(metadata, {"weight": changed}))
+        with pytest.raises(ValueError, match=message):
+            load_compressed(changed_path)
+    v1 = {**metadata, "format": "lightning_sparse.compressed/1"}
+    write(changed_path, tensors, v1)
+    with pytest.raises(
+        ValueError,
+        match=r"unknown fields \['inputs'\] \(known in format version 1: shape, pattern\)",
+    ):
+        load_compressed(changed_path)
 
 
 def test_bitmask_and_values_that_disagree_are_named(tmp_path, valid):
@@ -306,7 +358,7 @@ def corrupted(draw, valid):
             st.text(max_size=40)
             | st.sampled_from(
                 [
-                    "lightning_sparse.compressed/2",
+                    "lightning_sparse.compressed/3",
                     "lightning_sparse.compressed/01",
                     "lightning_sparse.compressed/x",
                 ]
@@ -325,7 +377,10 @@ def corrupted(draw, valid):
         )
     elif kind == "entry":
         entries[name] = draw(
-            _JSON | st.dictionaries(st.sampled_from(["shape", "pattern", "x"]), _JSON)
+            _JSON
+            | st.dictionaries(
+                st.sampled_from(["shape", "pattern", "inputs", "x"]), _JSON
+            )
         )
     elif kind == "drop_tensor":
         del tensors[draw(st.sampled_from(sorted(tensors)))]

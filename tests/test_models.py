@@ -6,6 +6,7 @@ an identity), not the stored tensor."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -13,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import StopAt, fast_trainer
+from hf_models import LMModule, tiny_gpt2, tiny_llama, token_loader, transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
+from probes import PHASES, EffectiveProbe, assert_phases, effective_rows, run_phase
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,53 +30,6 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks.tiles import transposable_2to4_mask
-
-transformers = pytest.importorskip("transformers")
-
-
-def tiny_gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
-@torch.no_grad()
-def effective_rows(module: nn.Module) -> torch.Tensor:
-    """The weight a layer computes with, measured by feeding it an identity, as rows: ``(out,
-    in)`` for a matmul layer, ``(out, *kernel, in_channels)`` for a convolution (stride 1)."""
-    if isinstance(module, nn.Conv2d):
-        c, kh, kw = module.in_channels, *module.kernel_size
-        eye = torch.eye(c * kh * kw).view(-1, c, kh, kw)
-        ph, pw = module.padding  # the centre output sees the whole kernel
-        out = module(eye)[:, :, ph, pw]  # (c*kh*kw, out)
-        bias = 0 if module.bias is None else module.bias
-        return (out - bias).T.reshape(-1, c, kh, kw).movedim(1, -1)
-    n_in = module.weight.shape[0 if layer_type(module) is CONV1D else 1]
-    out = module(torch.eye(n_in))
-    bias = 0 if module.bias is None else module.bias
-    return (out - bias).T
-
-
-def run_phase(model: nn.Module, sparsity: Any, **spec: Any) -> Sparsifier:
-    """Enter a sparse phase on ``model`` with the default selection (plain PyTorch)."""
-    phases = resolve_phases([Phase(sparsity=sparsity, **spec)], total_steps=10)
-    sp = Sparsifier("t", select_parameters(model).targets, phases, backend="masked")
-    sp.on_step_start(0, [])
-    return sp
 
 
 def test_layer_types_of_the_models_people_bring():
@@ -151,26 +107,6 @@ def test_conv1d_semi_structured_emulation_multiplies_by_the_transposed_mask():
     rows = effective_rows(layer)
     dense = layer.weight.detach().T
     assert torch.equal(rows, dense * transposable_2to4_mask(dense))
-
-
-class LMModule(L.LightningModule):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def token_loader(steps: int = 4) -> DataLoader:
-    ids = torch.randint(
-        0, 256, (steps * 2, 16), generator=torch.Generator().manual_seed(0)
-    )
-    return DataLoader(TensorDataset(ids), batch_size=2)
 
 
 def test_gpt2_runtime_2to4_trains_sparse_then_dense():
@@ -608,3 +544,131 @@ def test_hf_bert_and_vit_encoders_default_selection():
     for t in sp.targets:
         rows = effective_rows(t.module)
         assert bool(((rows != 0).reshape(rows.shape[0], -1, 4).sum(-1) == 2).all())
+
+
+class Supervised(L.LightningModule):
+    """Any model trained on ``loss(model, batch)`` with AdamW."""
+
+    def __init__(self, model: nn.Module, loss: Any) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(self.model, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def images(size: int) -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(8, 3, size, size, generator=gen),
+        torch.randint(0, 4, (8,), generator=gen),
+    )
+    return DataLoader(data, batch_size=4)
+
+
+def classify(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+@dataclass
+class Fit:
+    module: L.LightningModule
+    data: DataLoader
+    layers: list[str] | None = None  #: the modules checked; None: every one selected
+    exclude: list[str] | None = None  #: what 2:4 cannot run on (3 input channels)
+    dense_zeros: float = 0.01  #: see probes.assert_phases
+
+
+def tiny_bert() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=256,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def hf_vit() -> Fit:
+    config = transformers.ViTConfig(
+        image_size=16,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=4,
+    )
+    model = transformers.ViTForImageClassification(config)
+    return Fit(
+        Supervised(model, lambda m, b: m(pixel_values=b[0], labels=b[1]).loss),
+        images(16),
+    )
+
+
+def torchvision_vit() -> Fit:
+    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
+    model = vision_transformer.VisionTransformer(
+        image_size=16,
+        patch_size=8,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=4,
+    )
+    layer = "model.encoder.layers.encoder_layer_0"
+    return Fit(
+        Supervised(model, classify),
+        images(16),
+        [f"{layer}.self_attention.out_proj", f"{layer}.mlp.0"],  # out_proj: MHA's
+        exclude=["conv_proj.weight"],
+    )
+
+
+def torchvision_resnet() -> Fit:
+    models = pytest.importorskip("torchvision.models")
+    return Fit(
+        Supervised(models.resnet18(num_classes=4), classify),
+        images(64),
+        ["model.layer1.0.conv1", "model.layer2.0.downsample.0"],
+        exclude=["re:^model\\.conv1\\.weight$"],
+        dense_zeros=0.05,  # weights a ReLU cut off in every example have no gradient
+    )
+
+
+FITS = {
+    "gpt2": lambda: Fit(LMModule(tiny_gpt2()), token_loader(5)),
+    "llama": lambda: Fit(LMModule(tiny_llama()), token_loader(5)),
+    "bert": lambda: Fit(LMModule(tiny_bert()), token_loader(5)),
+    "hf_vit": hf_vit,
+    "torchvision_vit": torchvision_vit,
+    "torchvision_resnet": torchvision_resnet,
+    "transformer_encoder_layer": lambda: Fit(Encoder(), sequences()),
+}
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(
+            f, marks=pytest.mark.slow
+        )  # 11 M parameters; timm's ResNet is fast
+        if f == "torchvision_resnet"
+        else f
+        for f in FITS
+    ],
+)
+def test_fit_through_2to4_70_percent_and_dense_phases(family):
+    torch.manual_seed(0)
+    fit = FITS[family]()
+    targets = select_parameters(fit.module, exclude=fit.exclude).targets
+    probe = EffectiveProbe(fit.layers or [t.module_name for t in targets])
+    cb = SparsityCallback(phases=PHASES, exclude=fit.exclude, verbose=False)
+    fast_trainer(max_steps=5, callbacks=[cb, probe]).fit(fit.module, fit.data)
+    assert_phases(probe, fit.dense_zeros)

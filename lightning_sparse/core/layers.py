@@ -199,6 +199,22 @@ def layer_type(module: nn.Module, attr: str = "weight") -> LayerType:
     return next((t for t in LAYER_TYPES if t.base(cls) is not None), STORED)
 
 
+def layer_types(model: nn.Module) -> dict[str, LayerType]:
+    """Parameter name -> layer type, for every ``weight`` of a known layer in ``model``, under
+    each name the model's ``state_dict`` gives it (a shared module under all of them).
+
+    >>> sorted((k, v.name) for k, v in layer_types(nn.Sequential(nn.Linear(2, 2), nn.ReLU(),
+    ...                                                             nn.Conv2d(1, 1, 1))).items())
+    [('0.weight', 'Linear'), ('2.weight', 'ConvNd')]
+    """
+    found = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        layer = layer_type(module)
+        if layer is not STORED and module._parameters.get("weight") is not None:
+            found[f"{module_name}.weight" if module_name else "weight"] = layer
+    return found
+
+
 def nm_unsupported(layer: LayerType, shape: torch.Size, m: int) -> str | None:
     """Why N:M groups of ``m`` cannot run along the inputs of a ``layer`` weight of ``shape``,
     or ``None`` if they can."""

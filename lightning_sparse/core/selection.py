@@ -33,7 +33,16 @@ from torch import nn
 from lightning_sparse.core.layers import LAYER_TYPES, STORED, LayerType, layer_type
 
 _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
-_HEAD_NAMES = {"head", "lm_head", "classifier", "output", "fc_out", "output_layer"}
+# ``head_dist``: the distillation head of timm's DeiT (and LeViT), beside ``head``
+_HEAD_NAMES = {
+    "head",
+    "head_dist",
+    "lm_head",
+    "classifier",
+    "output",
+    "fc_out",
+    "output_layer",
+}
 
 
 @dataclass

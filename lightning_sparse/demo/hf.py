@@ -1,7 +1,7 @@
 """Any Hugging Face causal LM as a LightningModule: built from a config, or loaded pretrained.
 
-Needs ``transformers`` (``pip install transformers``). The model is the ``model`` attribute, so
-its parameters are named as in ``transformers`` with a ``model.`` prefix (GPT-2:
+Needs ``transformers`` (``pip install "lightning-sparse[hf]"``). The model is the ``model``
+attribute, so its parameters are named as in ``transformers`` with a ``model.`` prefix (GPT-2:
 ``model.transformer.h.0.mlp.c_fc.weight``, a ``Conv1D``; Llama:
 ``model.model.layers.0.mlp.up_proj.weight``). Batches are ``(x, y)`` int64 ``(B, T)`` with ``y``
 the next tokens, as from :class:`~lightning_sparse.demo.PydocTextDataModule` (byte-level: give a

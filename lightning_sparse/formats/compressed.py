@@ -5,14 +5,18 @@ dimensions (a float8_e8m0fnu one has no zero) that is smaller stored sparse is s
 non-zero values (in row-major order)
 plus a bitmask of where they sit (1 bit per weight, packed little-endian into bytes); other
 tensors are stored as they are. The metadata names the sparse tensors, their shapes, and the
-N:M pattern they satisfy (``"2:4"``), if any. :func:`load_compressed` rebuilds the dense state
+N:M pattern they satisfy (``"2:4"``) along their layer's inputs, if any: the last axis of the
+``(shape[0], -1)`` view, or, where the layer reads its inputs along another stored dimension
+(Hugging Face ``Conv1D``: ``(in, out)``; a convolution: input channels), along the dimension
+named by the entry's ``inputs`` (format version 2; a file with no such entry is written as
+version 1, which every reader reads). :func:`load_compressed` rebuilds the dense state
 dict, equal to what was saved (a pruned ``-0.0`` comes back as ``0.0``), after checking the file
 against the format (see ``docs/safe-loading.md``): a damaged or crafted file raises a
 ``ValueError`` naming the file, the tensor and what is wrong, before any dense tensor is built.
 Any safetensors reader can open the file; the layout is described in the ``layout`` metadata
 entry.
 
-:func:`to_semi_structured` swaps 2:4-sparse ``nn.Linear`` weights for PyTorch's
+:func:`to_semi_structured` swaps 2:4-sparse ``nn.Linear`` and ``Conv1D`` weights for PyTorch's
 ``SparseSemiStructuredTensor`` (CUDA, sparse tensor cores) for inference.
 
 Example:
@@ -38,12 +42,15 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse.core.layers import LayerType, layer_type, layer_types
 from lightning_sparse.formats.export import export_state_dict
 from lightning_sparse.masks import NM, is_nm
 
-VERSION = 1
+VERSION = 2
+"""The newest format version, read and written here. Version 2 adds a sparse tensor's
+``inputs`` entry; a file that has none is written as version 1."""
 FORMAT = f"lightning_sparse.compressed/{VERSION}"
-"""What :func:`save_compressed` writes in the ``format`` metadata entry: ``<name>/<version>``."""
+"""The ``format`` metadata entry of a file that needs version 2: ``<name>/<version>``."""
 FORMAT_NAMES = ("lightning_sparse.compressed", "lightning_sparse.formats.compressed")
 """Names :func:`load_compressed` reads; the second was written for a while after the module
 moved into ``formats/``, with the same layout."""
@@ -66,7 +73,8 @@ MAX_DIMS = 64
 LAYOUT = (
     "sparse tensor <name>: '<name>::values' (the non-zero values, row-major) and "
     "'<name>::bitmask' (uint8; bit j of byte i is element 8*i+j of the flattened tensor, "
-    "1 = non-zero); shapes and N:M patterns in the 'sparse' metadata entry"
+    "1 = non-zero); shapes and N:M patterns in the 'sparse' metadata entry (groups along the "
+    "dimension 'inputs' where given, else along the last axis of the (shape[0], -1) view)"
 )
 _SEP = "::"
 _DAMAGED = (
@@ -129,12 +137,34 @@ def _size(n: int) -> str:
     raise AssertionError  # unreachable
 
 
-def _nm_pattern(nonzero: Tensor) -> str | None:
+def _rows(tensor: Tensor, inputs: int | None) -> Tensor:
+    """``tensor`` with the stored dimension ``inputs`` last (as is, for ``None``)."""
+    return tensor if inputs is None else tensor.movedim(inputs, -1)
+
+
+def _nm_pattern(nonzero: Tensor, inputs: int | None = None) -> str | None:
+    """``"2:4"`` if ``nonzero`` keeps at most 2 of every 4 along the inputs, else ``None``."""
     target = NM(2, 4)
-    flat = nonzero.reshape(nonzero.shape[0], -1)
-    if flat.shape[1] % target.m or not is_nm(flat, target):
+    rows = _rows(nonzero, inputs)
+    if _no_groups(list(nonzero.shape), target.m, inputs):
         return None
-    return str(target)
+    return str(target) if is_nm(rows, target) else None
+
+
+def _no_groups(shape: list[int], m: int, inputs: int | None) -> bool:
+    """Whether a tensor of ``shape`` has no whole groups of ``m`` along its inputs."""
+    if len(shape) < 2:
+        return True
+    along = math.prod(shape[1:]) if inputs is None else shape[inputs]
+    return along % m != 0
+
+
+def _inputs(layer: LayerType | None, ndim: int) -> int | None:
+    """The ``inputs`` entry of a tensor of ``layer``: its input dimension where that is not
+    the last stored one (where it is, the v1 layout already says it)."""
+    if layer is None or layer.input_dim >= ndim - 1:
+        return None
+    return layer.input_dim
 
 
 def save_compressed(
@@ -142,6 +172,7 @@ def save_compressed(
     path: str | Path,
     verbose: bool = True,
     trusted: bool = False,
+    model: nn.Module | None = None,
 ) -> CompressedSize:
     """Write a compressed safetensors file of the model's weights with the masks folded in.
 
@@ -155,9 +186,16 @@ def save_compressed(
         verbose: print the sizes (per sparse tensor and in total).
         trusted: for a checkpoint path, unpickle it in full (see
             :func:`~lightning_sparse.export_state_dict`).
+        model: the module whose state this is (for a checkpoint: the LightningModule), so that
+            N:M patterns are found along each layer's inputs (``Conv1D``, convolutions);
+            a Trainer's own module by default. Without one, patterns are looked for along
+            the last axis of each tensor's ``(shape[0], -1)`` view.
     """
     from safetensors.torch import save_file
 
+    if isinstance(source, pl.Trainer) and model is None:
+        model = source.lightning_module
+    layers = {} if model is None else layer_types(model)
     if isinstance(source, Mapping) and "state_dict" not in source:
         state = dict(source)
     else:
@@ -179,10 +217,13 @@ def save_compressed(
         nnz = int(nonzero.sum())
         sparse = nnz * tensor.element_size() + (tensor.numel() + 7) // 8
         if tensor.dtype in _SPARSE_DTYPES and tensor.ndim >= 2 and sparse < dense:
-            pattern = _nm_pattern(nonzero)
+            inputs = _inputs(layers.get(name), tensor.ndim)
+            pattern = _nm_pattern(nonzero, inputs)
             tensors[f"{name}{_SEP}values"] = tensor[nonzero].contiguous()
             tensors[f"{name}{_SEP}bitmask"] = pack_bits(nonzero)
             sparse_meta[name] = {"shape": list(tensor.shape), "pattern": pattern}
+            if pattern is not None and inputs is not None:
+                sparse_meta[name]["inputs"] = inputs
             size.sparse[name] = (dense, sparse, pattern)
             size.stored_bytes += sparse
             continue
@@ -193,7 +234,12 @@ def save_compressed(
         seen_storage.add(storage)
         tensors[name] = tensor
         size.stored_bytes += dense
-    metadata = {"format": FORMAT, "layout": LAYOUT, "sparse": json.dumps(sparse_meta)}
+    version = 2 if any("inputs" in e for e in sparse_meta.values()) else 1
+    metadata = {
+        "format": f"{FORMAT_NAMES[0]}/{version}",
+        "layout": LAYOUT,
+        "sparse": json.dumps(sparse_meta),
+    }
     save_file(tensors, str(path), metadata=metadata)
     size.file_bytes = Path(path).stat().st_size
     if verbose:
@@ -224,7 +270,7 @@ def load_compressed(
         sparse = _sparse_tensors(f, path)
         # dense tensors first, then the sparse ones in the metadata's order, as written
         state = {k: _read(f, k, path) for k in f.keys() if _SEP not in k}  # noqa: SIM118
-        for name, (shape, pattern, count) in sparse.items():
+        for name, (shape, pattern, inputs, count) in sparse.items():
             numel = math.prod(shape)
             nonzero = _checked_bitmask(
                 _read(f, f"{name}{_SEP}bitmask", path), shape, path, name
@@ -236,7 +282,7 @@ def load_compressed(
                     f"but it has {count} values{_DAMAGED}"
                 )
             if pattern is not None:
-                _check_pattern(nonzero, shape, pattern, path, name)
+                _check_pattern(nonzero, shape, pattern, inputs, path, name)
             values = _read(f, f"{name}{_SEP}values", path)
             # placed as integers of the same width: bit-exact for every dtype (float8 has no
             # masked_scatter), and zero bits are 0.0 in every format
@@ -249,11 +295,12 @@ def load_compressed(
 
 def _sparse_tensors(
     f: Any, path: str | Path
-) -> dict[str, tuple[list[int], NM | None, int]]:
-    """Name -> (shape, N:M pattern, number of values) of the file's sparse tensors, checked
-    against the file's header (tensor names, dtypes and sizes; no tensor data is read)."""
+) -> dict[str, tuple[list[int], NM | None, int | None, int]]:
+    """Name -> (shape, N:M pattern, input dimension, number of values) of the file's sparse
+    tensors, checked against the file's header (tensor names, dtypes and sizes; no tensor data
+    is read)."""
     metadata = f.metadata() or {}
-    _check_format(metadata.get("format"), path)
+    version = _check_format(metadata.get("format"), path)
     if "sparse" not in metadata:
         raise ValueError(
             f"{path}: the metadata has no 'sparse' entry (the list of sparse tensors){_DAMAGED}"
@@ -285,7 +332,7 @@ def _sparse_tensors(
                 f"{path}: tensor {name!r} is stored dense and listed as sparse in the metadata"
                 f"{_DAMAGED}"
             )
-        shape, pattern = _entry(info, path, name)
+        shape, pattern, inputs = _entry(info, path, name, version)
         numel = math.prod(shape)
         for part, dtypes in (("bitmask", {"U8"}), ("values", VALUE_DTYPES)):
             key = f"{name}{_SEP}{part}"
@@ -315,11 +362,12 @@ def _sparse_tensors(
                     f"{path}: sparse tensor {name!r}: {size[0]} values for a shape {shape} of "
                     f"{numel} elements{_DAMAGED}"
                 )
-        sparse[name] = (shape, pattern, size[0])
+        sparse[name] = (shape, pattern, inputs, size[0])
     return sparse
 
 
-def _check_format(found: Any, path: str | Path) -> None:
+def _check_format(found: Any, path: str | Path) -> int:
+    """The file's format version, or a ValueError saying what the ``format`` entry is."""
     name, _, version = found.rpartition("/") if isinstance(found, str) else ("", "", "")
     if name not in FORMAT_NAMES:
         raise ValueError(
@@ -327,31 +375,37 @@ def _check_format(found: Any, path: str | Path) -> None:
             f"{FORMAT!r}); write it with save_compressed, or load a plain safetensors file with "
             f"safetensors.torch.load_file"
         )
-    if version != str(VERSION):
+    if version not in {str(v) for v in range(1, VERSION + 1)}:
         newer = version.isdigit() and int(version) > VERSION
         raise ValueError(
             f"{path} is a lightning_sparse compressed file of format version {version!r}"
             + (
-                f", newer than this reader: this lightning_sparse reads version {VERSION} "
-                f"({FORMAT!r}); upgrade lightning_sparse to read it"
+                f", newer than this reader: this lightning_sparse reads versions 1 to "
+                f"{VERSION} ({FORMAT!r}); upgrade lightning_sparse to read it"
                 if newer
                 else f", which no lightning_sparse wrote (versions are 1, 2, ...){_DAMAGED}"
             )
         )
+    return int(version)
 
 
-def _entry(info: Any, path: str | Path, name: str) -> tuple[list[int], NM | None]:
-    """A sparse tensor's metadata entry as (shape, pattern), or a ValueError naming it."""
+def _entry(
+    info: Any, path: str | Path, name: str, version: int
+) -> tuple[list[int], NM | None, int | None]:
+    """A sparse tensor's metadata entry as (shape, pattern, inputs), or a ValueError naming
+    it."""
 
     def bad(what: str) -> ValueError:
         return ValueError(f"{path}: sparse tensor {name!r}: {what}{_DAMAGED}")
 
     if not isinstance(info, dict) or "shape" not in info:
         raise bad(f"its metadata entry {info!r} is not an object with a 'shape'")
-    unknown = sorted(set(info) - {"shape", "pattern"})
+    known = ["shape", "pattern"] + (["inputs"] if version >= 2 else [])
+    unknown = sorted(set(info) - set(known))
     if unknown:
         raise bad(
-            f"its metadata entry has unknown fields {unknown} (known: shape, pattern)"
+            f"its metadata entry has unknown fields {unknown} (known in format version "
+            f"{version}: {', '.join(known)})"
         )
     shape = info["shape"]
     if not (
@@ -366,9 +420,12 @@ def _entry(info: Any, path: str | Path, name: str) -> tuple[list[int], NM | None
         raise bad(
             f"shape {shape} has no elements, and save_compressed stores those dense"
         )
+    inputs = info.get("inputs")
+    if inputs is not None and not (type(inputs) is int and 0 <= inputs < len(shape)):
+        raise bad(f"inputs {inputs!r} is not a dimension of its shape {shape}")
     pattern = info.get("pattern")
     if pattern is None:
-        return shape, None
+        return shape, None, inputs
     match = (
         re.fullmatch(r"(\d{1,4}):(\d{1,4})", pattern)
         if isinstance(pattern, str)
@@ -382,7 +439,7 @@ def _entry(info: Any, path: str | Path, name: str) -> tuple[list[int], NM | None
         raise bad(
             f"pattern {pattern!r} is not an N:M pattern with 0 < N < M (e.g. '2:4')"
         )
-    return shape, nm
+    return shape, nm, inputs
 
 
 def _read(f: Any, key: str, path: str | Path) -> Tensor:
@@ -410,14 +467,20 @@ def _checked_bitmask(
 
 
 def _check_pattern(
-    nonzero: Tensor, shape: list[int], pattern: NM, path: str | Path, name: str
+    nonzero: Tensor,
+    shape: list[int],
+    pattern: NM,
+    inputs: int | None,
+    path: str | Path,
+    name: str,
 ) -> None:
-    if len(shape) < 2 or math.prod(shape[1:]) % pattern.m:
+    if _no_groups(shape, pattern.m, inputs):
+        along = "its inputs" if inputs is None else f"its inputs (dimension {inputs})"
         raise ValueError(
             f"{path}: sparse tensor {name!r}: the metadata claims pattern {pattern}, but shape "
-            f"{shape} has no groups of {pattern.m} along its inputs{_DAMAGED}"
+            f"{shape} has no groups of {pattern.m} along {along}{_DAMAGED}"
         )
-    if not is_nm(nonzero.view(shape), pattern):
+    if not is_nm(_rows(nonzero.view(shape), inputs), pattern):
         raise ValueError(
             f"{path}: sparse tensor {name!r}: the metadata claims pattern {pattern}, but its "
             f"bitmask keeps more than {pattern.n} of some {pattern.m} consecutive weights"
@@ -426,32 +489,38 @@ def _check_pattern(
 
 
 def to_semi_structured(model: nn.Module) -> dict[str, str]:
-    """Swap every 2:4-sparse ``nn.Linear`` weight for a ``SparseSemiStructuredTensor`` (inference).
+    """Swap every 2:4-sparse ``nn.Linear`` and Hugging Face ``Conv1D`` weight for a
+    ``SparseSemiStructuredTensor`` (inference).
 
-    A weight is converted when it is 2:4 along the input dimension (at most 2 non-zeros in
-    every group of 4, e.g. after :func:`~lightning_sparse.export_state_dict`) and PyTorch's
+    A weight is converted when the ``(out, in)`` matrix its layer multiplies by (``W.T`` for a
+    ``Conv1D``) is 2:4 along the input dimension (at most 2 non-zeros in every group of 4, e.g.
+    after :func:`~lightning_sparse.export_state_dict`) and PyTorch's
     ``to_sparse_semi_structured`` accepts it (a CUDA GPU with sparse tensor cores, fp16/bf16
-    or int8, supported shapes). Returns, for every Linear weight, ``"converted"`` or why not.
+    or int8, supported shapes). A ``Conv1D`` keeps the transpose of the sparse matrix, which its
+    ``addmm`` runs on the same kernel as ``F.linear``. Returns, for every such weight,
+    ``"converted"`` or why not.
     """
     from torch.sparse import to_sparse_semi_structured
 
     report: dict[str, str] = {}
     for module_name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        matrix = layer_type(module).matrix
+        if matrix is None:
             continue
         name = f"{module_name}.weight" if module_name else "weight"
         weight = module.weight.detach()
         if weight.device.type != "cuda":
             report[name] = f"on {weight.device.type}: 2:4 kernels need a CUDA device"
             continue
-        if _nm_pattern(weight != 0) is None:
+        if _nm_pattern(matrix(weight) != 0) is None:
             report[name] = "not 2:4 sparse"
             continue
         try:
-            sparse = to_sparse_semi_structured(weight)
+            sparse = to_sparse_semi_structured(matrix(weight).contiguous())
         except (RuntimeError, ValueError, NotImplementedError) as err:
             report[name] = f"to_sparse_semi_structured refused it: {err}"
             continue
-        module.weight = nn.Parameter(sparse, requires_grad=False)
+        stored = sparse if matrix(weight) is weight else sparse.t()  # Conv1D: (in, out)
+        module.weight = nn.Parameter(stored, requires_grad=False)
         report[name] = "converted"
     return report
