@@ -77,8 +77,9 @@ class FlipRate:
         changed = total = 0
         for t in sparsifier.targets:
             now = sparsifier.current_mask(t)
-            # a sharded sum is a partial one: int() of it would read this rank's part
-            changed += int(gather_full(now.ne(before[t.name]).sum()))
+            # whole masks: a sharded sum is a partial one (int() would read this rank's part),
+            # and older torch has no sharded bool comparison
+            changed += int(gather_full(now).ne(gather_full(before[t.name])).sum())
             total += now.numel()
         rate = changed / total if total else 0.0
         step = self.snapshot_step
