@@ -445,9 +445,10 @@ def test_gpt2_resume_is_bitwise_and_the_export_loads_strictly(tmp_path, resume_s
         assert float((rows == 0).float().mean()) > 0.5
 
 
-def test_torchvision_vit_attention_is_sparse_with_hard_masks():
+def tiny_torchvision_vit() -> nn.Module:
+    """torchvision's ViT (attention through nn.MultiheadAttention), one tiny layer."""
     vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
-    vit = vision_transformer.VisionTransformer(
+    return vision_transformer.VisionTransformer(
         image_size=16,
         patch_size=8,
         num_layers=1,
@@ -456,6 +457,10 @@ def test_torchvision_vit_attention_is_sparse_with_hard_masks():
         mlp_dim=64,
         num_classes=4,
     )
+
+
+def test_torchvision_vit_attention_is_sparse_with_hard_masks():
+    vit = tiny_torchvision_vit()
     sel = select_parameters(vit, exclude=["conv_proj.weight"])
     assert sel.excluded["heads.head.weight"] == "output head"
     out_proj = "encoder.layers.encoder_layer_0.self_attention.out_proj.weight"
@@ -612,16 +617,7 @@ def hf_vit() -> Fit:
 
 
 def torchvision_vit() -> Fit:
-    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
-    model = vision_transformer.VisionTransformer(
-        image_size=16,
-        patch_size=8,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=32,
-        mlp_dim=64,
-        num_classes=4,
-    )
+    model = tiny_torchvision_vit()
     layer = "model.encoder.layers.encoder_layer_0"
     return Fit(
         Supervised(model, classify),
