@@ -40,26 +40,11 @@ from lightning_sparse.algorithms import (
     SparsityAlgorithm,
     build_algorithm,
 )
-from lightning_sparse.backends import (
-    BackendChoice,
-    choose_backend,
-    require_semi_structured,
-    validate_backend,
-)
+from lightning_sparse.backends import BackendChoice
 from lightning_sparse.backends.gpus import GpuTarget
-from lightning_sparse.backends.masked import (
-    install_masked_forward,
-    install_sparse_attribute,
-    uninstall_forward,
-)
-from lightning_sparse.backends.semi_structured import (
-    NotTransposableError,
-    install_semi_structured_forward,
-)
-from lightning_sparse.backends.speed import SpeedCheck
 from lightning_sparse.core.schedule import ResolvedPhase, phase_at
-from lightning_sparse.core.selection import ParamTarget, read_elsewhere
-from lightning_sparse.engine.feasibility import check_phase
+from lightning_sparse.core.selection import ParamTarget
+from lightning_sparse.engine.forwards import LayerForwards, projection
 from lightning_sparse.engine.gradients import (
     all_finite,
     decay_gradients,
@@ -141,34 +126,17 @@ class Sparsifier:
         self.algorithms: dict[int, SparsityAlgorithm] = {
             p.index: build_algorithm(p, run) for p in self.phases if not p.spec.is_dense
         }
-        self.backend = validate_backend(backend, verify_speed)
-        speedup = SpeedCheck() if verify_speed and gpu is None else None
-        self.backends: dict[tuple[int, str], BackendChoice] = {}
-        for phase in self.phases:
-            if phase.index in self.algorithms:
-                check_phase(phase, self.algorithms[phase.index], self.targets)
-                for t in self.targets:
-                    choice = choose_backend(
-                        backend,
-                        phase.target,
-                        t.param,
-                        t.owners,
-                        compute_dtype,
-                        speedup,
-                        gpu,
-                    )
-                    if choice.name == "semi_structured" and t.readers:
-                        # a kernel forward would never run; the stored zeros are read
-                        choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
-                    self.backends[phase.index, t.name] = choice
-        if backend == "semi_structured":
-            require_semi_structured(
-                [
-                    (f"phase {index + 1} {name}", choice.reason)
-                    for (index, name), choice in self.backends.items()
-                    if choice.name != "semi_structured"
-                ]
-            )
+        self.forwards = LayerForwards(
+            name,
+            self.targets,
+            self.phases,
+            self.algorithms,
+            backend,
+            compute_dtype,
+            verify_speed,
+            gpu,
+            log,
+        )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
         self.last_update_step = -1
@@ -176,7 +144,11 @@ class Sparsifier:
             tuple[int, int | None]
         ] = []  # (step entered, phase index or None)
         self._grad_lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
-        self._unverified = False  # sparse forwards installed, not yet seen to run
+
+    @property
+    def backends(self) -> dict[tuple[int, str], BackendChoice]:
+        """The backend of each (sparse phase index, parameter name)."""
+        return self.forwards.choices
 
     # -- phases ---------------------------------------------------------------------------------
     @property
@@ -250,9 +222,7 @@ class Sparsifier:
         return norms.result()
 
     def _leave(self) -> None:
-        for t in self.targets:
-            for _, module, _ in t.owners:
-                uninstall_forward(module)
+        self.forwards.uninstall(self.targets)
         self.masks = {}
         free_scratch()
         self._grad_lists.clear()
@@ -281,15 +251,15 @@ class Sparsifier:
         forward keeps the whole mask, since it runs on the gathered weight."""
         algo = self.algorithm
         assert algo is not None
+        assert self.current is not None
         for t in self.targets:
             mask = self.masks[t.name] = shard_like(masks[t.name], t.param)
-            self._install_forward(t, algo, masks[t.name])
             if not algo.straight_through:
                 multiply_by_mask_(t.param.detach(), mask)
                 if zero_state:
                     zero_optimizer_state(optimizers, t.param, ~mask)
+        self.forwards.install_all(self.current.index, self.targets, algo, masks)
         self._grad_lists.clear()
-        self._unverified = True
 
     @torch.no_grad()
     def _apply_change(
@@ -316,71 +286,6 @@ class Sparsifier:
             return
         apply_mask_change_(weight, stored, changed, state_tensors(optimizers, t.param))
 
-    def _install_forward(
-        self, t: ParamTarget, algo: SparsityAlgorithm, mask: Tensor
-    ) -> None:
-        """Give ``t``'s layer the forward its backend needs (hard masks on the masked backend
-        need none: the pruned weights are stored as zeros)."""
-        assert self.current is not None
-        key = (self.current.index, t.name)
-        choice = self.backends[key]
-        if choice.name == "semi_structured":
-            try:
-                stored = None if algo.projects else mask
-                install_semi_structured_forward(t.module, choice.kernel, stored)
-                return
-            except NotTransposableError:
-                self._run_masked_instead(t, algo, key)
-        if t.sparse_reads:  # read as module.attr by another module's code
-            if algo.straight_through:
-                install_sparse_attribute(
-                    t.module,
-                    t.owners[0][2],
-                    mask=None if algo.projects else mask,
-                    project=_projection(t, algo) if algo.projects else None,
-                )
-            return
-        if algo.projects:
-            install_masked_forward(t.module, project=_projection(t, algo))
-        elif algo.straight_through:
-            install_masked_forward(t.module, mask=mask)
-
-    def _run_masked_instead(
-        self, t: ParamTarget, algo: SparsityAlgorithm, key: tuple[int, str]
-    ) -> None:
-        """A mask the kernels cannot run: an error if they were required, else masked math."""
-        why = (
-            f"algorithm {algo.name!r} gave {t.name!r} a 2:4 mask that is not transposable "
-            f"(at most 2 per row and column of each 4x4 tile), which the 2:4 kernels need"
-        )
-        if self.backend == "semi_structured":
-            raise ValueError(
-                f"[{self.name}] {why}: choose masks with SparsityAlgorithm.select, or use "
-                f"backend='auto' to run such masks with masked dense math"
-            )
-        self.backends[key] = BackendChoice("masked", why)
-        self.log(f"[{self.name}] {why}; it runs with masked dense math")
-        uninstall_forward(t.module)
-
-    def verify_forwards(self) -> None:
-        """Raise if a layer given a sparse forward at the phase start did not run it in the
-        forwards since (a model that reads the weight some other way would train and evaluate
-        it dense while the logs report it sparse)."""
-        self._unverified = False
-        idle = [
-            f"{t.name} ({t.module_name or 'model'}, {type(t.module).__name__})"
-            for t in self.targets
-            if t.module.__dict__.get("_ls_ran") is False
-        ]
-        if idle:
-            raise RuntimeError(
-                f"[{self.name}] these parameters have a sparse forward that did not run in the "
-                f"first sparse step: {idle[:5]}. The model reads them without calling their "
-                f"layer (e.g. a functional call on module.weight, or an unused layer), so they "
-                f"would stay dense; use a hard-mask algorithm ('static'), which stores the "
-                f"zeros in the weight, or exclude them"
-            )
-
     def current_mask(self, target: ParamTarget) -> Tensor | None:
         """The mask the next forward uses (projected from the weight for ``runtime``), laid out
         like the parameter."""
@@ -389,7 +294,7 @@ class Sparsifier:
             return None
         if algo.projects:
             weight = target.param.detach()
-            return shard_like(_projection(target, algo)(gather_full(weight)), weight)
+            return shard_like(projection(target, algo)(gather_full(weight)), weight)
         return self.masks[target.name]
 
     def before_optimizer_step(
@@ -406,8 +311,7 @@ class Sparsifier:
         algo = self.algorithm
         if algo is None:
             return False
-        if self._unverified:
-            self.verify_forwards()
+        self.forwards.verify(self.targets)
         decay = self.current.spec.decay if self.current is not None else None
         if decay and algo.straight_through:
             self.decay_gradients(optimizer, decay)
@@ -460,8 +364,9 @@ class Sparsifier:
         sizes = [p.numel() for p in params]
         for_each_layer(update_layer, self.targets, sizes, workers)
         # forwards are installed on this thread: layers may share a module
+        assert self.current is not None
         for t in self.targets:
-            self._install_forward(t, algo, stored[t.name])
+            self.forwards.install(self.current.index, t, algo, stored[t.name])
         self._grad_lists.clear()
         self.last_update_step = step
         return True
@@ -592,14 +497,6 @@ def _rows(t: ParamTarget, tensor: Tensor) -> Tensor:
 def _stored(t: ParamTarget, rows: Tensor) -> Tensor:
     """Rows back in the layout of ``t``'s parameter (the tensor itself for a Linear)."""
     return t.layer.from_rows(rows).contiguous()
-
-
-def _projection(t: ParamTarget, algo: SparsityAlgorithm) -> Callable[[Tensor], Tensor]:
-    """``algo.project`` for ``t``'s stored layout (itself for a Linear weight)."""
-    layer = t.layer
-    if layer.to_rows(t.param) is t.param:
-        return algo.project
-    return lambda weight: layer.from_rows(algo.project(layer.to_rows(weight)))
 
 
 def _index(phase: ResolvedPhase | None) -> int | None:

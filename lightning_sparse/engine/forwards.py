@@ -1,0 +1,218 @@
+"""Which backend each selected layer computes with in each phase, and the forward it needs.
+
+:class:`LayerForwards` chooses a backend per parameter and sparse phase once, when the
+:class:`~lightning_sparse.engine.sparsifier.Sparsifier` is built, installs the chosen forward
+whenever masks change, and checks after the first sparse step that every installed forward ran.
+Hard masks on the masked backend need no forward: the pruned weights are stored as zeros.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_sparse.algorithms import build_algorithm
+    >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+    >>> from lightning_sparse.core.selection import select_parameters
+    >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> targets = select_parameters(net).targets
+    >>> phases = resolve_phases([Phase(sparsity="2:4", algorithm="runtime")], total_steps=4)
+    >>> algorithms = {0: build_algorithm(phases[0])}
+    >>> forwards = LayerForwards("demo", targets, phases, algorithms)
+    >>> forwards.choices[0, "0.weight"].name
+    'masked'
+    >>> forwards.install(0, targets[0], algorithms[0], None)
+    >>> type(net[0]).__name__, forwards.uninstall(targets), type(net[0]).__name__
+    ('MaskedLinear', None, 'Linear')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.algorithms import SparsityAlgorithm
+from lightning_sparse.backends import (
+    BackendChoice,
+    choose_backend,
+    require_semi_structured,
+    validate_backend,
+)
+from lightning_sparse.backends.gpus import GpuTarget
+from lightning_sparse.backends.masked import (
+    install_masked_forward,
+    install_sparse_attribute,
+    uninstall_forward,
+)
+from lightning_sparse.backends.semi_structured import (
+    NotTransposableError,
+    install_semi_structured_forward,
+)
+from lightning_sparse.backends.speed import SpeedCheck
+from lightning_sparse.core.schedule import ResolvedPhase
+from lightning_sparse.core.selection import ParamTarget, read_elsewhere
+from lightning_sparse.engine.feasibility import check_phase
+
+
+class LayerForwards:
+    """The backend of every (sparse phase, parameter) pair and the forwards that run it.
+
+    Args:
+        name: group name (used in messages).
+        targets: the group's parameters.
+        phases: the resolved schedule.
+        algorithms: the algorithm of each sparse phase, by phase index.
+        backend: ``"auto"``, ``"masked"`` or ``"semi_structured"`` (see
+            :mod:`lightning_sparse.backends`).
+        compute_dtype: the autocast dtype of the matmuls (``None``: the weights' own dtype).
+        verify_speed: with ``backend="auto"``, time each distinct layer shape once and keep
+            dense math where the sparse kernel is slower.
+        gpu: choose for this GPU instead of the weights' device (predictions for a plan).
+        log: called with a message when a layer falls back to masked math.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        targets: Sequence[ParamTarget],
+        phases: Sequence[ResolvedPhase],
+        algorithms: Mapping[int, SparsityAlgorithm],
+        backend: str = "auto",
+        compute_dtype: torch.dtype | None = None,
+        verify_speed: bool = False,
+        gpu: GpuTarget | None = None,
+        log: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.name = name
+        self.log = log
+        self.backend = validate_backend(backend, verify_speed)
+        speedup = SpeedCheck() if verify_speed and gpu is None else None
+        self.choices: dict[tuple[int, str], BackendChoice] = {}
+        for phase in phases:
+            if phase.index not in algorithms:
+                continue
+            check_phase(phase, algorithms[phase.index], targets)
+            for t in targets:
+                choice = choose_backend(
+                    backend,
+                    phase.target,
+                    t.param,
+                    t.owners,
+                    compute_dtype,
+                    speedup,
+                    gpu,
+                )
+                if choice.name == "semi_structured" and t.readers:
+                    # a kernel forward would never run; the stored zeros are read
+                    choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
+                self.choices[phase.index, t.name] = choice
+        if backend == "semi_structured":
+            require_semi_structured(
+                [
+                    (f"phase {index + 1} {param}", choice.reason)
+                    for (index, param), choice in self.choices.items()
+                    if choice.name != "semi_structured"
+                ]
+            )
+        self._unverified = False  # forwards installed, not yet seen to run
+
+    def install_all(
+        self,
+        phase_index: int,
+        targets: Sequence[ParamTarget],
+        algo: SparsityAlgorithm,
+        masks: Mapping[str, Tensor],
+    ) -> None:
+        """:meth:`install` every target's forward for new masks; :meth:`verify` then checks
+        that they all ran."""
+        for t in targets:
+            self.install(phase_index, t, algo, masks[t.name])
+        self._unverified = True
+
+    def install(
+        self,
+        phase_index: int,
+        t: ParamTarget,
+        algo: SparsityAlgorithm,
+        mask: Tensor | None,
+    ) -> None:
+        """Give ``t``'s layer the forward its backend needs in phase ``phase_index`` with the
+        whole-tensor ``mask`` (unused by a projecting algorithm)."""
+        key = (phase_index, t.name)
+        if self.choices[key].name == "semi_structured":
+            try:
+                stored = None if algo.projects else mask
+                install_semi_structured_forward(
+                    t.module, self.choices[key].kernel, stored
+                )
+                return
+            except NotTransposableError:
+                self._run_masked_instead(t, algo, key)
+        if t.sparse_reads:  # read as module.attr by another module's code
+            if algo.straight_through:
+                install_sparse_attribute(
+                    t.module,
+                    t.owners[0][2],
+                    mask=None if algo.projects else mask,
+                    project=projection(t, algo) if algo.projects else None,
+                )
+            return
+        if algo.projects:
+            install_masked_forward(t.module, project=projection(t, algo))
+        elif algo.straight_through:
+            install_masked_forward(t.module, mask=mask)
+
+    def uninstall(self, targets: Sequence[ParamTarget]) -> None:
+        """Give every module owning one of ``targets`` its own forward back."""
+        for t in targets:
+            for _, module, _ in t.owners:
+                uninstall_forward(module)
+        self._unverified = False
+
+    def _run_masked_instead(
+        self, t: ParamTarget, algo: SparsityAlgorithm, key: tuple[int, str]
+    ) -> None:
+        """A mask the kernels cannot run: an error if they were required, else masked math."""
+        why = (
+            f"algorithm {algo.name!r} gave {t.name!r} a 2:4 mask that is not transposable "
+            f"(at most 2 per row and column of each 4x4 tile), which the 2:4 kernels need"
+        )
+        if self.backend == "semi_structured":
+            raise ValueError(
+                f"[{self.name}] {why}: choose masks with SparsityAlgorithm.select, or use "
+                f"backend='auto' to run such masks with masked dense math"
+            )
+        self.choices[key] = BackendChoice("masked", why)
+        self.log(f"[{self.name}] {why}; it runs with masked dense math")
+        uninstall_forward(t.module)
+
+    def verify(self, targets: Sequence[ParamTarget]) -> None:
+        """After the first forwards since :meth:`install_all`: raise if a layer given a sparse
+        forward did not run it (a model that reads the weight some other way would train and
+        evaluate it dense while the logs report it sparse)."""
+        if not self._unverified:
+            return
+        self._unverified = False
+        idle = [
+            f"{t.name} ({t.module_name or 'model'}, {type(t.module).__name__})"
+            for t in targets
+            if t.module.__dict__.get("_ls_ran") is False
+        ]
+        if idle:
+            raise RuntimeError(
+                f"[{self.name}] these parameters have a sparse forward that did not run in the "
+                f"first sparse step: {idle[:5]}. The model reads them without calling their "
+                f"layer (e.g. a functional call on module.weight, or an unused layer), so they "
+                f"would stay dense; use a hard-mask algorithm ('static'), which stores the "
+                f"zeros in the weight, or exclude them"
+            )
+
+
+def projection(t: ParamTarget, algo: SparsityAlgorithm) -> Callable[[Tensor], Tensor]:
+    """``algo.project`` for ``t``'s stored layout (itself for a Linear weight)."""
+    layer = t.layer
+    if layer.to_rows(t.param) is t.param:
+        return algo.project
+    return lambda weight: layer.from_rows(algo.project(layer.to_rows(weight)))
+
+
+__all__ = ["LayerForwards", "projection"]
