@@ -14,12 +14,9 @@ from lightning_sparse.callback import SparsityCallback
 from lightning_sparse.core.schedule import Phase
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
-from lightning_sparse.formats.compressed import (
-    load_compressed,
-    save_compressed,
-    to_semi_structured,
-)
+from lightning_sparse.formats.compressed import load_compressed, save_compressed
 from lightning_sparse.formats.export import export_state_dict, fold_masks
+from lightning_sparse.formats.inference import to_semi_structured
 from lightning_sparse.masks import NM
 
 __all__ = [

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save
 
 from lightning_sparse import load_compressed, save_compressed
-from lightning_sparse.formats.compressed import FORMAT
+from lightning_sparse.formats.compressed_layout import FORMAT
 
 
 def valid_state():

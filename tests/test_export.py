@@ -15,7 +15,7 @@ from lightning_sparse import (
     save_compressed,
     to_semi_structured,
 )
-from lightning_sparse.formats.compressed import pack_bits, unpack_bits
+from lightning_sparse.formats.compressed_layout import pack_bits, unpack_bits
 from lightning_sparse.masks import NM, target_mask
 
 
