@@ -15,7 +15,7 @@ selection, as Wanda prunes LLMs) or only the MLPs (``--params mlp``). Prints one
 table per seed, the dense model's loss first.
 
     python benchmarks/prune_pretrained.py                         # one seed, one-shot, ~5 min
-    python benchmarks/prune_pretrained.py --finetune-steps 200 --seeds 0 1 2
+    python benchmarks/prune_pretrained.py --finetune-steps 100 --seeds 0 1 2   # + mean ± std
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -131,6 +132,8 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     tmp = Path(tempfile.mkdtemp())
+    # (target, init) -> per seed (right after pruning, after fine-tuning)
+    by_row: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for seed in args.seeds:
         started = time.perf_counter()
         ckpt = args.dense_ckpt or tmp / f"dense_seed{seed}.ckpt"
@@ -140,6 +143,7 @@ def main() -> None:
         rows = []
         dense, _ = prune(seed, ckpt, None, "topk", None, 0, args.lr)
         rows.append(["dense", "-", f"{dense:.4f}", "-"])
+        by_row.setdefault(("dense", "-"), []).append((dense, float("nan")))
         for sparsity in ("2:4", 0.5):
             for init in ("topk", "wanda"):
                 start, end = prune(
@@ -154,6 +158,7 @@ def main() -> None:
                 after = f"{end:.4f}" if args.finetune_steps else "-"
                 label = "2:4" if sparsity == "2:4" else "50% unstructured"
                 rows.append([label, init, f"{start:.4f}", after])
+                by_row.setdefault((label, init), []).append((start, end))
         header = [
             f"target ({args.params} block linears)",
             "init",
@@ -165,6 +170,35 @@ def main() -> None:
         )
         print(markdown_table(header, rows))
         print()
+    if len(args.seeds) > 1:
+        print(f"seeds {args.seeds}: mean ± sample std (per seed)")
+        print(markdown_table(header, summary_rows(by_row, args.finetune_steps > 0)))
+
+
+def summary_rows(
+    by_row: dict[tuple[str, str], list[tuple[float, float]]], finetuned: bool
+) -> list[list[str]]:
+    """One row per (target, init): each loss as mean ± std over the seeds, then each seed's."""
+
+    def cell(values: list[float]) -> str:
+        each = ", ".join(f"{v:.3f}" for v in values)
+        return (
+            f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({each})"
+        )
+
+    rows = []
+    for (label, init), losses in by_row.items():
+        after = [end for _, end in losses]
+        tuned = finetuned and label != "dense"
+        rows.append(
+            [
+                label,
+                init,
+                cell([start for start, _ in losses]),
+                cell(after) if tuned else "-",
+            ]
+        )
+    return rows
 
 
 if __name__ == "__main__":

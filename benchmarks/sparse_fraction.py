@@ -9,6 +9,8 @@ models from ``lightning_sparse.demo``, trained from scratch with the real ``Spar
 - GPT: the ``tiny`` byte-level ``GPTLanguageModel`` on ``PydocTextDataModule``
   (recipes/gpt/cpu_demo.yaml), metric: final val/loss in nats per byte (the seed varies init
   and the training windows);
+- HF GPT-2 (``--models hf``, needs ``transformers``): ``HuggingFaceCausalLM`` with the same
+  shape as transformers' GPT-2 (``Conv1D`` MLPs), recipes/hf/cpu_demo.yaml, on the same data;
 
 under five schedules of the MLP linears (ViT ``blocks.*.mlp.fc1/fc2``, GPT
 ``transformer.h.*.mlp.c_fc/c_proj``), each over ``--seeds`` seeds:
@@ -29,6 +31,8 @@ a table (first, peak, last; mean over the seeds) and, with ``--flip-plot``, draw
 
     python benchmarks/sparse_fraction.py                      # 30 runs, ~25-35 min on 2 cores
     python benchmarks/sparse_fraction.py --schedules decay --flip-plot docs/flip_rate.png
+    python benchmarks/sparse_fraction.py --models hf --schedules dense "2:4 for 70%, then dense" \
+        "2:4 always (100%)"                                       # the HF GPT-2 demo, 9 runs
     python benchmarks/sparse_fraction.py --seeds 1 --vit-epochs 2 --gpt-steps 40   # smoke test
 """
 
@@ -90,7 +94,22 @@ PARAMS = {
     "vit": ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"],
     "gpt": ["transformer.h.*.mlp.c_fc.weight", "transformer.h.*.mlp.c_proj.weight"],
 }
-METRIC = {"vit": "val/acc", "gpt": "val/loss"}
+PARAMS["hf"] = PARAMS["gpt"]  # the same names in transformers' GPT-2 (Conv1D layers)
+METRIC = {"vit": "val/acc", "gpt": "val/loss", "hf": "val/loss"}
+LABEL = {"vit": "ViT val/acc", "gpt": "GPT val/loss", "hf": "HF GPT-2 val/loss"}
+HF_GPT2 = {
+    "n_layer": 4,
+    "n_embd": 128,
+    "n_head": 4,
+    "vocab_size": 256,
+    "n_positions": 64,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+"""The config of recipes/hf/cpu_demo.yaml: the tiny GPT's shape as transformers' GPT-2."""
 FLIP_RATE = "sparsity/sparsity/flip_rate"  # the callback's default name is "sparsity"
 FLIP_EVERY = 25
 """Optimizer steps between logged flip rates."""
@@ -116,6 +135,12 @@ def _build(run: Run) -> tuple[L.LightningModule, L.LightningDataModule, dict[str
         seed=run.seed,
         samples_per_epoch=GPT_BATCHES_PER_EPOCH * batch_size,
     )
+    if run.model == "hf":
+        # transformers is optional (the hf extra): imported only for these runs
+        from lightning_sparse.demo.hf import HuggingFaceCausalLM
+
+        model = HuggingFaceCausalLM("gpt2", config=HF_GPT2)
+        return model, data, {"max_steps": run.gpt_steps}
     return GPTLanguageModel(preset="tiny"), data, {"max_steps": run.gpt_steps}
 
 
@@ -165,7 +190,7 @@ def train(run: Run) -> tuple[Run, float, float, dict[int, float]]:
     )
     start = time.perf_counter()
     trainer.fit(model, data)
-    if run.model == "gpt" and trainer.global_step % GPT_BATCHES_PER_EPOCH:
+    if run.model != "vit" and trainer.global_step % GPT_BATCHES_PER_EPOCH:
         trainer.validate(model, data, verbose=False)  # the run ended mid-epoch
     metric = float(trainer.callback_metrics[METRIC[run.model]])
     return run, metric, time.perf_counter() - start, flips.rates
@@ -237,7 +262,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="parallel processes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument(
-        "--models", nargs="+", default=["vit", "gpt"], choices=["vit", "gpt"]
+        "--models",
+        nargs="+",
+        default=["vit", "gpt"],
+        choices=["vit", "gpt", "hf"],
+        help="hf: recipes/hf/cpu_demo.yaml's transformers GPT-2 (needs the hf extra)",
     )
     parser.add_argument(
         "--schedules",
@@ -290,8 +319,7 @@ def main() -> None:
     total = time.perf_counter() - started
 
     header = ["schedule (MLP linears)"] + [
-        f"{'ViT val/acc' if m == 'vit' else 'GPT val/loss'} (mean ± std, per seed)"
-        for m in args.models
+        f"{LABEL[m]} (mean ± std, per seed)" for m in args.models
     ]
     rows = []
     for schedule in schedules:
@@ -313,11 +341,12 @@ def main() -> None:
             f"ViT {args.vit_epochs} epochs = {args.vit_epochs * 45} optimizer steps "
             f"(batch 32), {statistics.fmean(seconds['vit']):.0f} s per run"
         )
-    if "gpt" in args.models:
-        lengths.append(
-            f"GPT {args.gpt_steps} optimizer steps (batch 32 x 64 bytes), "
-            f"{statistics.fmean(seconds['gpt']):.0f} s per run"
-        )
+    for model in ("gpt", "hf"):
+        if model in args.models:
+            lengths.append(
+                f"{LABEL[model].split(' val')[0]} {args.gpt_steps} optimizer steps (batch "
+                f"32 x 64 bytes), {statistics.fmean(seconds[model]):.0f} s per run"
+            )
     load_after = os.getloadavg()
     print(
         f"{args.seeds} seeds per cell; {'; '.join(lengths)}; {len(runs)} runs in "
