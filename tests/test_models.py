@@ -125,6 +125,48 @@ def test_gpt2_runtime_2to4_trains_sparse_then_dense():
     assert all(0.5 <= z < 0.53 for z in seen[:3]) and seen[3] < 0.01, seen
 
 
+def _mlps_as_linear(model: nn.Module) -> nn.Module:
+    """``model`` with every GPT-2 MLP ``Conv1D`` replaced by the ``nn.Linear`` it transposes."""
+    for block in model.transformer.h:
+        for name in ("c_fc", "c_proj"):
+            conv = getattr(block.mlp, name)
+            linear = nn.Linear(*conv.weight.shape)
+            with torch.no_grad():
+                linear.weight.copy_(conv.weight.T)
+                linear.bias.copy_(conv.bias)
+            setattr(block.mlp, name, linear)
+    return model
+
+
+class _Losses(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(float(outputs["loss"]))
+
+
+def test_gpt2_conv1d_trains_like_the_same_mlps_as_linear_layers():
+    # Conv1D is the transposed Linear: the same schedule gives the same losses and weights
+    # (equal bit for bit on the machines measured; float32 tolerance for other BLAS kernels)
+    mlps = ["transformer.h.*.mlp.c_fc.weight", "transformer.h.*.mlp.c_proj.weight"]
+    phases = [{"sparsity": "2:4", "until": 4}, {"sparsity": 0.0}]
+    runs = {}
+    for layers in ("conv1d", "linear"):
+        torch.manual_seed(0)
+        model = tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        module = LMModule(model if layers == "conv1d" else _mlps_as_linear(model))
+        losses = _Losses()
+        cb = SparsityCallback(params=mlps, phases=phases, verbose=False)
+        fast_trainer(max_steps=6, callbacks=[cb, losses]).fit(
+            module, token_loader(steps=6)
+        )
+        c_fc = module.model.transformer.h[0].mlp.c_fc.weight.detach()
+        runs[layers] = losses.values, c_fc if layers == "linear" else c_fc.T
+    torch.testing.assert_close(runs["conv1d"][0], runs["linear"][0])
+    torch.testing.assert_close(runs["conv1d"][1], runs["linear"][1])
+
+
 def test_llama_default_selection_and_nm_along_inputs():
     model = tiny_llama()
     sel = select_parameters(model)
