@@ -21,7 +21,7 @@ from helpers import pretend_gpu
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.cli.main import SparseCLI
-from lightning_sparse.engine import sparsifier
+from lightning_sparse.engine import forwards
 from lightning_sparse.masks import NM
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -85,7 +85,7 @@ def test_gpt2_24_recipe_would_run_its_mlps_on_2to4_kernels_on_an_sm80_gpu(
 ):
     pretend_gpu(monkeypatch)
     # verify_speed: true in the recipe; the timing needs a real GPU, so stand in for it
-    monkeypatch.setattr(sparsifier, "SpeedCheck", lambda: lambda w, kernel, dtype: 1.3)
+    monkeypatch.setattr(forwards, "SpeedCheck", lambda: lambda w, kernel, dtype: 1.3)
     plan(RECIPES / "gpt" / "gpt2_24_70pct.yaml", tmp_path, "--plot=false")
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if ".mlp.c_fc.weight " in line]
