@@ -433,17 +433,8 @@ GPT2_PHASES = [
 
 def gpt2_run(tmp_path, stop_at=None, ckpt_path=None, seed=0):
     L.seed_everything(seed, verbose=False)
-    config = transformers.GPT2Config(
-        n_layer=1,
-        n_embd=64,
-        n_head=2,
-        vocab_size=256,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    module = LMModule(transformers.GPT2LMHeadModel(config))
+    model = tiny_gpt2(n_layer=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    module = LMModule(model)
     callbacks: list[L.Callback] = [SparsityCallback(phases=GPT2_PHASES, verbose=False)]
     if stop_at:
         callbacks.append(
