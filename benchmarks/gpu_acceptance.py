@@ -348,7 +348,9 @@ def verify_speed(args: argparse.Namespace, deadline: float) -> Stage:
         ):  # no kernel on the CPU: time the emulation, to check the rest
             check(layer.weight, "emulated", torch.float32)
         shape = tuple(layer.weight.shape)
-        ratios = [f"{r:.2f}x" for key, r in check.results.items() if key[0] == shape]
+        ratios = [
+            f"{m.ratio:.2f}x" for key, m in check.results.items() if key[0] == shape
+        ]
         rows.append(
             [
                 label,

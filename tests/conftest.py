@@ -6,6 +6,15 @@ import logging
 import pytest
 
 from lightning_sparse import kernels
+from lightning_sparse.backends.kernel_check import forget_verdicts
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernel_checks():
+    """Every test starts as a new process would: no 2:4 kernel checked yet."""
+    forget_verdicts()
+    yield
+    forget_verdicts()
 
 
 @pytest.fixture

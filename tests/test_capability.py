@@ -16,6 +16,7 @@ from lightning_sparse.backends import (
 )
 from lightning_sparse.backends import capability as cap
 from lightning_sparse.backends.gpus import GpuTarget, parse_gpu
+from lightning_sparse.backends.speed import SpeedMeasurement
 from lightning_sparse.masks import NM
 
 
@@ -142,7 +143,7 @@ def test_verify_speed_keeps_slower_layers_dense(gpu):
     def speedup(ratio):
         def measure(weight, kernel, dtype):
             calls.append((tuple(weight.shape), kernel, dtype))
-            return ratio
+            return SpeedMeasurement(ratio, error=0.0)
 
         return measure
 

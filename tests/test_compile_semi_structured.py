@@ -12,10 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
+from lightning_sparse.backends import cusparselt
 from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
-from lightning_sparse.masks import NM, target_mask
 from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 
@@ -115,9 +115,10 @@ def test_compiled_layer_follows_swaps_both_ways():
 
 
 def test_kernel_path_traces_with_a_stand_in_kernel(monkeypatch):
-    """allow_in_graph + the straight-through autograd.Function + the casts, under AOTAutograd."""
-    monkeypatch.setitem(
-        ss.KERNELS, "cusparselt", lambda w: w * target_mask(w.abs(), NM(2, 4))
+    """The cuSPARSELt custom ops (pruning, matmul, their straight-through backward) and the
+    casts under AOTAutograd, with a dense stand-in for cuSPARSELt's matmul."""
+    monkeypatch.setattr(
+        cusparselt, "_sparse_mm", lambda w24, dense, bias: F.linear(dense, w24, bias)
     )
     monkeypatch.setattr(ss, "kernel_runs", lambda weight, dtype: True)
     torch.manual_seed(0)
@@ -135,6 +136,6 @@ def test_kernel_path_traces_with_a_stand_in_kernel(monkeypatch):
     assert torch.equal(grad, layer.weight.grad)
     wb = layer.weight.detach().bfloat16()
     expected = F.linear(
-        x.bfloat16(), wb * target_mask(wb.abs(), NM(2, 4)), layer.bias.bfloat16()
+        x.bfloat16(), wb * transposable_2to4_mask(wb), layer.bias.bfloat16()
     )
     assert torch.equal(ref, expected)

@@ -318,8 +318,8 @@ def test_transformer_encoder_layer_runtime_without_out_proj_is_sparse_in_eval():
     x = torch.randn(2, 4, 32)
     with torch.no_grad():  # the inference fast path of nn.TransformerEncoderLayer
         out = layer(x)
-        w1 = layer.linear1.sparse_weight()
-        w2 = layer.linear2.sparse_weight()
+        w1 = layer.linear1.sparse_weight(torch.float32)
+        w2 = layer.linear2.sparse_weight(torch.float32)
         attn, _ = layer.self_attn(x, x, x, need_weights=False)
         h = layer.norm1(x + attn)
         expected = layer.norm2(

@@ -20,6 +20,7 @@ import yaml
 from helpers import pretend_gpu
 
 from lightning_sparse import SparsityCallback
+from lightning_sparse.backends.speed import SpeedMeasurement
 from lightning_sparse.cli.main import SparseCLI
 from lightning_sparse.engine import forwards
 from lightning_sparse.masks import NM
@@ -85,7 +86,10 @@ def test_gpt2_24_recipe_would_run_its_mlps_on_2to4_kernels_on_an_sm80_gpu(
 ):
     pretend_gpu(monkeypatch)
     # verify_speed: true in the recipe; the timing needs a real GPU, so stand in for it
-    monkeypatch.setattr(forwards, "SpeedCheck", lambda: lambda w, kernel, dtype: 1.3)
+    measured = SpeedMeasurement(ratio=1.3, error=0.0)
+    monkeypatch.setattr(
+        forwards, "SpeedCheck", lambda: lambda w, kernel, dtype: measured
+    )
     plan(RECIPES / "gpt" / "gpt2_24_70pct.yaml", tmp_path, "--plot=false")
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if ".mlp.c_fc.weight " in line]

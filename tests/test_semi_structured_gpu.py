@@ -6,20 +6,33 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import CompiledTiny, RepeatedBatch, StopAt, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.sparse import SparseSemiStructuredTensorCUSPARSELT
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.backends import capability as cap
-from lightning_sparse.backends.masked import uninstall_forward
+from lightning_sparse.backends import cusparselt
+from lightning_sparse.backends import semi_structured as ss
+from lightning_sparse.backends.kernel_check import (
+    KernelCheckError,
+    check_kernel,
+    register_kernel,
+)
+from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
 from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
     semi_structured_linear,
 )
 from lightning_sparse.backends.speed import measure_speedup
-from lightning_sparse.masks.tiles import transposable_2to4_mask
+from lightning_sparse.masks.tiles import (
+    greedy_2to4_mask,
+    tile_kernel_takes,
+    transposable_2to4_mask,
+)
 
 SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 pytestmark = [
@@ -182,7 +195,82 @@ def test_compiled_layer_after_a_swap_back_is_dense():
 
 @pytest.mark.parametrize("kernel", kernels())
 def test_verify_speed_measures_a_ratio(kernel):
-    ratio = measure_speedup(
+    measured = measure_speedup(
         (1024, 1024), torch.bfloat16, kernel, torch.device("cuda"), 2048
     )
-    assert 0.05 < ratio < 20
+    assert 0.05 < measured.ratio < 20 and measured.error < 0.02
+
+
+@pytest.mark.parametrize("kernel", kernels())
+def test_the_kernels_training_runs_pass_the_kernel_check(kernel):
+    verdict = check_kernel(kernel, torch.bfloat16, torch.device("cuda"))
+    assert verdict.passed, verdict.reason
+    assert verdict.error < 0.01  # bf16 rounding, not a layout
+
+
+@pytest.mark.skipif(not cap.cusparselt_available(), reason="no cuSPARSELt")
+def test_the_kernel_check_catches_the_tile_ops_cusparselt_packing_where_it_is_wrong():
+    """torch's tile op packs a cuSPARSELt layout that some releases do not read (sm90,
+    cuSPARSELt 0.8): the check must fail it there. Skipped where the layout happens to be
+    right."""
+
+    def tile_packed(x, weight, bias):
+        packed, meta, packed_t, meta_t, bitmask = torch._sparse_semi_structured_tile(
+            weight, algorithm="largest_abs_values_greedy", use_cutlass=False
+        )
+        rows, cols = weight.shape
+        sparse = SparseSemiStructuredTensorCUSPARSELT(
+            weight.shape,
+            packed=packed.view(rows, -1),
+            meta=meta,
+            packed_t=packed_t.view(cols, -1),
+            meta_t=meta_t,
+            compressed_swizzled_bitmask=bitmask,
+            fuse_transpose_cusparselt=True,
+            requires_grad=False,
+        )
+        return F.linear(x, sparse, bias)
+
+    register_kernel(
+        "tile-op cuSPARSELt", tile_packed, "the tile op's packing", trains=False
+    )
+    verdict = check_kernel("tile-op cuSPARSELt", torch.bfloat16, torch.device("cuda"))
+    if verdict.passed:
+        pytest.skip(f"the tile op's cuSPARSELt packing is right here: {verdict.reason}")
+    assert "in the kernel check" in verdict.reason
+
+
+@pytest.mark.skipif(not cap.cusparselt_available(), reason="no cuSPARSELt")
+def test_a_failed_check_keeps_every_entry_point_off_the_kernel(monkeypatch):
+    monkeypatch.setitem(ss.KERNELS, "cusparselt", lambda x, w, b, mask: -x @ w.T)
+    with pytest.warns(RuntimeWarning, match="wrong results"):
+        verdict = check_kernel("cusparselt", torch.bfloat16, torch.device("cuda"))
+    assert not verdict.passed
+    w = tie_free(128, 256).bfloat16()
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(KernelCheckError):
+        semi_structured_linear(x, w, None, "cusparselt")
+    with pytest.raises(KernelCheckError):  # the custom ops refuse too
+        cusparselt.linear_24(x, w * transposable_2to4_mask(w), None)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (256, 512), (4096, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_tile_kernel_mask_is_the_reference_on_tie_free_weights(shape, dtype):
+    w = tie_free(*shape).to(dtype)
+    assert tile_kernel_takes(w)
+    assert torch.equal(greedy_2to4_mask(w), transposable_2to4_mask(w))
+
+
+def test_masked_runtime_on_cuda_projects_in_the_matmul_dtype():
+    seen = []
+
+    def spy(weight):
+        seen.append((weight.dtype, tile_kernel_takes(weight)))
+        return greedy_2to4_mask(weight)
+
+    layer = nn.Linear(256, 128).cuda()  # float32 weights, bf16 autocast
+    install_masked_forward(layer, project=spy)
+    with torch.autocast("cuda", torch.bfloat16):
+        layer(torch.randn(4, 256, device="cuda"))
+    assert seen == [(torch.bfloat16, True)]

@@ -7,7 +7,7 @@ from torch import Tensor
 from lightning_sparse.algorithms.base import SparsityAlgorithm, register_algorithm
 from lightning_sparse.core.schedule import Phase
 from lightning_sparse.masks import NM
-from lightning_sparse.masks.tiles import has_4x4_tiles, transposable_2to4_mask
+from lightning_sparse.masks.tiles import greedy_2to4_mask, has_4x4_tiles
 
 
 @register_algorithm("runtime")
@@ -49,5 +49,5 @@ class Runtime(SparsityAlgorithm):
 
     def project(self, weight: Tensor) -> Tensor:
         if self._target == NM(2, 4) and has_4x4_tiles(weight):
-            return transposable_2to4_mask(weight)
+            return greedy_2to4_mask(weight)
         return self.select(weight.detach().abs(), self._target)

@@ -3,8 +3,10 @@
 ``"masked"``: dense math on a masked weight, any device. ``"semi_structured"``: 2:4 sparse
 tensor cores (:mod:`~lightning_sparse.backends.semi_structured`). ``"auto"``: per layer,
 semi_structured where the hardware, dtype and shape allow it
-(:mod:`~lightning_sparse.backends.capability`), masked elsewhere; with ``verify_speed``, also
-masked where the sparse kernel is slower (:mod:`~lightning_sparse.backends.speed`).
+(:mod:`~lightning_sparse.backends.capability`) and the kernel passed the kernel check on this
+GPU (:mod:`~lightning_sparse.backends.kernel_check`), masked elsewhere; with
+``verify_speed``, also masked where the sparse kernel is slower
+(:mod:`~lightning_sparse.backends.speed`).
 
 Example:
     >>> from torch import nn
@@ -24,12 +26,15 @@ from torch import Tensor, nn
 
 from lightning_sparse.backends.capability import semi_structured_kernel
 from lightning_sparse.backends.gpus import GpuTarget
+from lightning_sparse.backends.kernel_check import TOLERANCE, check_kernel
+from lightning_sparse.backends.speed import SpeedMeasurement
 from lightning_sparse.masks import NM, Sparsity, describe
 
 BACKEND_NAMES = ("auto", "masked", "semi_structured")
 
-Speedup = Callable[[Tensor, str, torch.dtype], float]
-"""``(weight, kernel, dtype) -> dense time / sparse time`` (see ``speed.SpeedCheck``)."""
+Speedup = Callable[[Tensor, str, torch.dtype], "SpeedMeasurement"]
+"""``(weight, kernel, dtype) -> (dense time / sparse time, relative error)`` (see
+``speed.SpeedCheck``)."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,20 @@ def choose_backend(
     kernel, why = semi_structured_kernel(weight, owners, compute_dtype, gpu)
     if kernel is None:
         return BackendChoice("masked", why)
+    if gpu is None and not weight.is_meta:  # a kernel to run here must pass the check
+        verdict = check_kernel(kernel, compute_dtype or weight.dtype, weight.device)
+        if not verdict.passed:
+            return BackendChoice("masked", f"{verdict.reason}: running masked math")
     if speedup is not None:
-        ratio = speedup(weight, kernel, compute_dtype or weight.dtype)
+        measured = speedup(weight, kernel, compute_dtype or weight.dtype)
+        if measured.error > TOLERANCE:
+            rows, cols = weight.shape
+            return BackendChoice(
+                "masked",
+                f"{why}: wrong results at shape {rows}x{cols} in verify_speed (relative "
+                f"error {measured.error:.2g}), so kept dense",
+            )
+        ratio = measured.ratio
         if ratio < 1.0:
             return BackendChoice(
                 "masked",

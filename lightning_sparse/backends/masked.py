@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, LayerType
+from lightning_sparse.masks.tiles import TILE_KERNEL_DTYPES
 
 
 class _StraightThroughMask(torch.autograd.Function):
@@ -60,32 +61,49 @@ class SparseForwardMixin:
     _ls_original_class: type[nn.Module]
     _ls_layer: ClassVar[LayerType]
 
-    def sparse_weight(self) -> Tensor:
+    def sparse_weight(self, dtype: torch.dtype) -> Tensor:
+        """The weight times its mask, for a matmul in ``dtype``."""
         weight = self.weight  # type: ignore[attr-defined]
         mask = (
-            project_eagerly(self._ls_project, weight)
+            project_eagerly(self._ls_project, weight, dtype)
             if self._ls_project is not None
             else self._ls_mask
         )
         return straight_through_mask(weight, mask)
 
 
+def matmul_dtype(input: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype ``F.linear(input, weight)`` computes in here: autocast's, else the weight's."""
+    device = input.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 @torch.compiler.disable
-def project_eagerly(project: Callable[[Tensor], Tensor], weight: Tensor) -> Tensor:
-    """``project(weight)`` outside any compiled graph.
+def project_eagerly(
+    project: Callable[[Tensor], Tensor], weight: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """``project(weight)`` outside any compiled graph, for a matmul in ``dtype``.
 
     A projection is a pure function of the weight's values (sorting networks, table lookups)
     that ``torch.compile`` would retrace and split at every step; run eagerly, only the
-    masked matmul is compiled.
+    masked matmul is compiled. On a GPU it sees the weight in a 16-bit matmul dtype, the
+    values the matmul multiplies, so that torch's tile kernel can choose a 2:4 mask
+    (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`); on the CPU, the stored weight.
     """
-    return project(weight.detach())
+    weight = weight.detach()
+    if weight.device.type == "cuda" and dtype in TILE_KERNEL_DTYPES:
+        weight = weight.to(dtype)
+    return project(weight)
 
 
 class MaskedForward(SparseForwardMixin):
     """The layer type's own computation, with the masked weight."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return self._ls_layer.compute(self, input, self.sparse_weight())
+        weight = self.sparse_weight(matmul_dtype(input, self.weight))
+        return self._ls_layer.compute(self, input, weight)
 
 
 class MaskedLinear(MaskedForward, nn.Linear):
@@ -236,7 +254,7 @@ def _sparse_read(module: nn.Module) -> Tensor:
     weight = module._parameters[module._ls_attr]
     module._ls_ran = True  # the engine's check that the sparse weight is read
     mask = (
-        project_eagerly(module._ls_project, weight)
+        project_eagerly(module._ls_project, weight, matmul_dtype(weight, weight))
         if module._ls_project is not None
         else module._ls_mask
     )

@@ -2,25 +2,30 @@
 
 A selected ``nn.Linear`` gets a sparse forward by a class swap (the same module object and
 Parameter objects, see :mod:`lightning_sparse.backends.masked`). At every forward the weight,
-in the matmul dtype (float16/bfloat16, or the autocast dtype), is pruned and packed by
-``torch._sparse_semi_structured_tile(W, algorithm="largest_abs_values_greedy")``: a transposable
-2:4 mask (2 of 4 along the rows *and* the columns of every 4x4 tile) chosen greedily by
-``|w|``, packed both as ``W`` and as ``W.T``. The forward ``x @ W.T`` and the input gradient
-``grad @ W`` then run as sparse matmuls (cuSPARSELt, with the transpose fused, or CUTLASS on
-sm8x); the weight gradient ``grad.T @ x`` is a dense matmul and reaches the dense weight
-unchanged (straight-through), as in PyTorch's 2:4 training recipe.
+in the matmul dtype (float16/bfloat16, or the autocast dtype), is pruned to a transposable
+2:4 pattern (2 of 4 along the rows *and* the columns of every 4x4 tile) chosen greedily by
+``|w|`` (torch's tile kernel), so that the forward ``x @ W.T`` and the input gradient
+``grad @ W`` both run as sparse matmuls; the weight gradient ``grad.T @ x`` is a dense matmul
+and reaches the dense weight unchanged (straight-through), as in PyTorch's 2:4 training recipe.
+Two kernels run them:
 
-Phases with a stored mask (``static``, ``magnitude``) multiply the weight by the mask first; a
-transposable mask survives the tile op's greedy unchanged, so the same kernels run them.
+- ``"cusparselt"``: :mod:`~lightning_sparse.backends.cusparselt`, packed by cuSPARSELt's own
+  ``torch._cslt_compress``;
+- ``"cutlass"`` (sm8x): :mod:`~lightning_sparse.backends.cutlass`.
+
+Before a kernel's first matmul in a process, the kernel check
+(:mod:`~lightning_sparse.backends.kernel_check`) runs this module's code on a small weight and
+compares it with dense math; a kernel that fails it is never run.
+
+Phases with a stored mask (``static``, ``magnitude``) multiply the weight by the mask instead;
+the mask must be transposable 2:4.
 
 Where a kernel cannot run (a CPU tensor, a float32 matmul), and with ``kernel="emulated"``,
 the layer computes what the masked backend computes, with the same operations: the weight
-times :func:`~lightning_sparse.masks.tiles.transposable_2to4_mask` (or times its stored mask).
-That mask is the kernel's greedy choice, except where ``|w|`` ties within a tile: the kernel
-compares the values in the matmul dtype (bfloat16 values tie often) and its sorting network
-orders equal values its own way, while the emulation ranks the stored (e.g. float32) values
-and breaks ties by position. Both are valid greedy choices; the GPU tests compare them on
-weights without ties. The CPU tests run the whole control flow with the emulation.
+times its greedy transposable 2:4 mask (or times its stored mask). On the CPU that mask is
+:func:`~lightning_sparse.masks.tiles.transposable_2to4_mask`; on a GPU the kernel's own
+choice, :func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`, which can differ from it only
+where ``|w|`` ties within a tile (the GPU tests compare them on weights without ties).
 
 Example (the emulation, on the CPU):
     >>> import torch
@@ -44,99 +49,38 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.sparse import (
-    SparseSemiStructuredTensorCUSPARSELT,
-    SparseSemiStructuredTensorCUTLASS,
-)
+from torch.sparse import to_sparse_semi_structured
 
 from lightning_sparse.backends.capability import HALF_DTYPES
+from lightning_sparse.backends.cusparselt import cusparselt_linear
+from lightning_sparse.backends.cutlass import cutlass_linear
+from lightning_sparse.backends.kernel_check import register_kernel, require_kernel
 from lightning_sparse.backends.masked import (
     SparseClasses,
     SparseForwardMixin,
+    matmul_dtype,
     project_eagerly,
     straight_through_mask,
     swap_forward,
 )
 from lightning_sparse.core.layers import CONV1D, LINEAR
-from lightning_sparse.masks.tiles import is_transposable_2to4, transposable_2to4_mask
-
-GREEDY = "largest_abs_values_greedy"
-
-
-def _pack_cusparselt(weight: Tensor) -> Tensor:
-    packed, meta, packed_t, meta_t, bitmask = torch._sparse_semi_structured_tile(
-        weight, algorithm=GREEDY, use_cutlass=False
-    )
-    rows, cols = weight.shape
-    return SparseSemiStructuredTensorCUSPARSELT(
-        weight.shape,
-        packed=packed.view(rows, -1),  # as torch's prune_dense_static_sort: 2-D views
-        meta=meta,
-        packed_t=packed_t.view(cols, -1),
-        meta_t=meta_t,
-        compressed_swizzled_bitmask=bitmask,
-        fuse_transpose_cusparselt=True,  # results come back as (tokens, out), not transposed
-        requires_grad=False,
-    )
-
-
-def _pack_cutlass(weight: Tensor) -> Tensor:
-    packed, meta, packed_t, meta_t, bitmask = torch._sparse_semi_structured_tile(
-        weight, algorithm=GREEDY, use_cutlass=True
-    )
-    return SparseSemiStructuredTensorCUTLASS(
-        weight.shape,
-        packed=packed,
-        meta=meta,
-        packed_t=packed_t,
-        meta_t=meta_t,
-        compressed_swizzled_bitmask=bitmask,
-        requires_grad=False,
-    )
-
+from lightning_sparse.masks.tiles import greedy_2to4_mask, is_transposable_2to4
 
 EMULATED = "emulated"
-KERNELS: dict[str, Callable[[Tensor], Tensor]] = {
-    "cusparselt": _pack_cusparselt,
-    "cutlass": _pack_cutlass,
+KernelLinear = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None"], Tensor]
+"""``(x, weight, bias, mask) -> x @ W24.T + bias`` for a row-major 2-D ``x`` and a row-major
+``weight`` in the matmul dtype; ``W24`` is ``weight * mask``, or without a mask the greedy
+transposable 2:4 projection of ``weight``; gradients straight through to ``weight``."""
+KERNELS: dict[str, KernelLinear] = {
+    "cusparselt": cusparselt_linear,
+    "cutlass": cutlass_linear,
 }
-
-
-class _Sparsify24(torch.autograd.Function):
-    """The 2:4-pruned (packed) weight; the gradient reaches the dense weight unmasked."""
-
-    @staticmethod
-    def forward(ctx, weight: Tensor, kernel: str) -> Tensor:  # type: ignore[override]
-        return KERNELS[kernel](weight)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return grad, None
-
-
-@torch.compiler.allow_in_graph
-def sparsify_24(weight: Tensor, kernel: str) -> Tensor:
-    """``weight`` pruned to the greedy transposable 2:4 pattern and packed for ``kernel``
-    (``"cusparselt"`` or ``"cutlass"``), with a straight-through gradient.
-
-    ``torch.compile`` keeps the call as one node of its graph; AOTAutograd then traces the
-    tile op (with fake tensors, through the CUDA kernel's fallback) and the tensor subclass's
-    matmuls, as torch's own ``test_sp24_compile`` does.
-    """
-    return _Sparsify24.apply(weight, kernel)
+LABELS = {"cusparselt": "cuSPARSELt", "cutlass": "CUTLASS"}
 
 
 def kernel_runs(weight: Tensor, dtype: torch.dtype) -> bool:
     """Whether a 2:4 kernel can run a matmul of ``weight`` in ``dtype`` (else: emulation)."""
     return weight.device.type == "cuda" and dtype in HALF_DTYPES
-
-
-def matmul_dtype(input: Tensor, weight: Tensor) -> torch.dtype:
-    """The dtype ``F.linear(input, weight)`` computes in here: autocast's, else the weight's."""
-    device = input.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
 
 
 def semi_structured_linear(
@@ -151,34 +95,58 @@ def semi_structured_linear(
 
     ``kernel="emulated"``, and any matmul that would not run in float16/bfloat16 on a CUDA
     device, computes the same function as the masked backend, with the same operations.
+
+    Raises:
+        KernelCheckError: ``kernel`` failed the kernel check on this device and dtype.
     """
     dtype = matmul_dtype(input, weight)
     if kernel == EMULATED or not kernel_runs(weight, dtype):
         if mask is None:
-            mask = project_eagerly(transposable_2to4_mask, weight)
+            mask = project_eagerly(greedy_2to4_mask, weight, dtype)
         return F.linear(input, straight_through_mask(weight, mask), bias)
+    if (
+        not torch.compiler.is_compiling()
+    ):  # compiled graphs run the ops, which check too
+        require_kernel(kernel, dtype, weight.device)
     w = weight.to(
         dtype
-    ).contiguous()  # the tile op reads row-major (Conv1D's W.T is not)
-    if mask is not None:
-        w = straight_through_mask(w, mask)
-    # The sparse matmuls take 2-D row-major inputs (a column-major input would make autograd
-    # multiply with the packed weight on the left, which the fused transpose does not support).
+    ).contiguous()  # the kernels read row-major (Conv1D's W.T is not)
+    # The sparse matmuls take 2-D row-major inputs.
     x = input.to(dtype).reshape(-1, input.shape[-1]).contiguous()
     b = None if bias is None else bias.to(dtype)
-    linear = _linear_24 if kernel == "cusparselt" else _linear_24_eager
-    out = linear(x, w, b, kernel)
+    out = KERNELS[kernel](x, w, b, mask)
     return out.view(*input.shape[:-1], out.shape[-1])
 
 
-def _linear_24(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str) -> Tensor:
-    return F.linear(x, sparsify_24(weight, kernel), bias)
+def _checked_linear(kernel: str) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+    return lambda x, weight, bias: semi_structured_linear(x, weight, bias, kernel)
 
 
-# The CUTLASS tensor made by the tile op carries 3-D metadata, which the meta function of
-# ``aten._sparse_semi_structured_(add)mm`` (used when compiling) rejects in torch 2.15: under
-# ``torch.compile`` CUTLASS layers run eagerly (a graph break), cuSPARSELt layers are traced.
-_linear_24_eager = torch.compiler.disable(_linear_24)
+for _kernel, _label in LABELS.items():
+    register_kernel(_kernel, _checked_linear(_kernel), label=_label)
+
+INFERENCE = "semi_structured_tensor"
+"""The kernel check's name for torch's ``to_sparse_semi_structured`` tensors (inference)."""
+
+
+def pack_for_inference(w24: Tensor) -> Tensor:
+    """A 2:4 weight as torch's ``SparseSemiStructuredTensor`` (``to_sparse_semi_structured``:
+    cuSPARSELt's own packing where torch has it), for inference ``F.linear`` calls.
+
+    Raises:
+        KernelCheckError: those tensors failed the kernel check on this device and dtype.
+    """
+    require_kernel(INFERENCE, w24.dtype, w24.device)
+    return to_sparse_semi_structured(w24)
+
+
+register_kernel(
+    INFERENCE,
+    lambda x, w24, bias: F.linear(x, pack_for_inference(w24), bias),
+    label="torch's SparseSemiStructuredTensor",
+    prunes=False,
+    trains=False,
+)
 
 
 class NotTransposableError(ValueError):

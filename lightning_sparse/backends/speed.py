@@ -6,28 +6,42 @@ than its dense matmul keeps running dense math (masked, the same function).
 
 The measurement is a training step's worth of one layer: ``tokens`` rows of random input in the
 matmul dtype, forward then backward (input and weight gradients), the runtime 2:4 projection
-included, the best of a few rounds after a warm-up.
+included, the best of a few rounds after a warm-up. The weight has known values (distinct
+magnitudes in every 4x4 tile), so the sparse output is also compared with dense math on the
+same 2:4 weight: a kernel that goes wrong only at some shapes is caught at those shapes.
 
 Example (``measure_speedup`` on the CPU times the emulation; it is meaningful on a GPU only):
     >>> import torch
-    >>> ratio = measure_speedup((64, 64), torch.float32, "emulated", torch.device("cpu"), tokens=32)
-    >>> ratio > 0
-    True
+    >>> m = measure_speedup((64, 64), torch.float32, "emulated", torch.device("cpu"), tokens=32)
+    >>> m.ratio > 0, m.error < 1e-6
+    (True, True)
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_sparse.backends.kernel_check import known_values, relative_error
 from lightning_sparse.backends.semi_structured import semi_structured_linear
+from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 VERIFY_TOKENS = 8192
 _ROUNDS, _CALLS, _WARMUP = 3, 5, 3
+
+
+@dataclass(frozen=True)
+class SpeedMeasurement:
+    """Dense time / sparse time of one layer shape, and the sparse output's relative error
+    against dense math on the same 2:4 weight."""
+
+    ratio: float
+    error: float
 
 
 def measure_speedup(
@@ -36,12 +50,13 @@ def measure_speedup(
     kernel: str,
     device: torch.device,
     tokens: int = VERIFY_TOKENS,
-) -> float:
-    """Dense time / sparse time of forward+backward for a Linear weight of ``shape``."""
+) -> SpeedMeasurement:
+    """Time forward+backward of a Linear weight of ``shape``, sparse against dense, and
+    compare the sparse output with dense math."""
     out_features, in_features = shape
     gen = {"device": device, "dtype": dtype}
     x = torch.randn(tokens, in_features, **gen, requires_grad=True)
-    weight = torch.randn(out_features, in_features, **gen, requires_grad=True)
+    weight = known_values(out_features, in_features).to(**gen).requires_grad_()
     grad = torch.randn(tokens, out_features, **gen)
 
     def dense() -> None:
@@ -50,7 +65,11 @@ def measure_speedup(
     def sparse() -> None:
         semi_structured_linear(x, weight, None, kernel).backward(grad)
 
-    return _seconds(dense, device) / _seconds(sparse, device)
+    with torch.no_grad():
+        out = semi_structured_linear(x, weight, None, kernel)
+        w24 = weight * transposable_2to4_mask(weight)
+        error = relative_error(out, F.linear(x, w24))
+    return SpeedMeasurement(_seconds(dense, device) / _seconds(sparse, device), error)
 
 
 def _seconds(step: Callable[[], None], device: torch.device) -> float:
@@ -73,7 +92,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 class SpeedCheck:
-    """Sparse-vs-dense speed ratios, measured once per (shape, dtype, kernel, device).
+    """Sparse-vs-dense measurements, once per (shape, dtype, kernel, device).
 
     Example:
         >>> check = SpeedCheck(tokens=32)
@@ -86,9 +105,11 @@ class SpeedCheck:
 
     def __init__(self, tokens: int = VERIFY_TOKENS) -> None:
         self.tokens = tokens
-        self.results: dict[tuple, float] = {}
+        self.results: dict[tuple, SpeedMeasurement] = {}
 
-    def __call__(self, weight: Tensor, kernel: str, dtype: torch.dtype) -> float:
+    def __call__(
+        self, weight: Tensor, kernel: str, dtype: torch.dtype
+    ) -> SpeedMeasurement:
         key = (tuple(weight.shape), dtype, kernel, weight.device)
         if key not in self.results:
             self.results[key] = measure_speedup(

@@ -9,6 +9,9 @@ weights at every step.
 - :func:`transposable_2to4_mask`: greedy by ``|w|``, bit for bit the choice of torch's
   Python reference ``_sparse_semi_structured_tile(dense.abs())`` (the
   ``largest_abs_values_greedy`` behaviour), ties included, in vectorized torch ops.
+- :func:`greedy_2to4_mask`: the same greedy choice by torch's CUDA tile kernel where it runs
+  (a CUDA float16/bfloat16 weight whose dimensions are multiples of 128), at memory speed;
+  it can differ from :func:`transposable_2to4_mask` only where ``|w|`` ties within a tile.
 - :func:`optimal_transposable_2to4_mask`: per tile, the pattern with the largest kept
   ``sum |w|`` among the 90 that keep exactly 2 per row and column (or among all 186
   maximal transposable patterns).
@@ -41,6 +44,7 @@ from torch import Tensor
 from lightning_sparse.masks.patterns import nm_groups
 
 __all__ = [
+    "greedy_2to4_mask",
     "has_4x4_tiles",
     "is_transposable_2to4",
     "optimal_transposable_2to4_mask",
@@ -412,6 +416,51 @@ def optimal_transposable_2to4_mask(
         torch.index_select(patterns, 0, scores[:m].argmax(1), out=kept[:m])
         _write_tiles(out, r0, kept[:m])
     return out.view(weight.shape)
+
+
+TILE_KERNEL_MULTIPLE = 128  # both dimensions, for torch's tile kernel
+TILE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def tile_kernel_takes(weight: Tensor) -> bool:
+    """Whether torch's CUDA tile kernel can choose the greedy mask of ``weight``.
+
+    Example:
+        >>> import torch
+        >>> tile_kernel_takes(torch.zeros(128, 256, dtype=torch.bfloat16))  # a CPU tensor
+        False
+    """
+    return (
+        weight.device.type == "cuda"
+        and weight.dtype in TILE_KERNEL_DTYPES
+        and weight.dim() == 2
+        and weight.numel() > 0
+        and all(size % TILE_KERNEL_MULTIPLE == 0 for size in weight.shape)
+    )
+
+
+def greedy_2to4_mask(weight: Tensor) -> Tensor:
+    """The greedy transposable 2:4 keep-mask of :func:`transposable_2to4_mask`, chosen by
+    torch's CUDA kernel ``torch._sparse_semi_structured_tile(W, "largest_abs_values_greedy")``
+    where it runs (:func:`tile_kernel_takes`), else by :func:`transposable_2to4_mask`.
+
+    The kernel compares ``|w|`` in the weight's own (16-bit) dtype and orders equal values
+    its own way, so the two masks can differ only where ``|w|`` ties within a tile; both are
+    greedy choices. On the CPU this is :func:`transposable_2to4_mask`.
+
+    Example:
+        >>> import torch
+        >>> w = torch.randn(8, 16)
+        >>> torch.equal(greedy_2to4_mask(w), transposable_2to4_mask(w))
+        True
+    """
+    if not tile_kernel_takes(weight):
+        return transposable_2to4_mask(weight)
+    *_, bitmask = torch._sparse_semi_structured_tile(
+        weight, algorithm="largest_abs_values_greedy", use_cutlass=False
+    )
+    ones = torch.ones_like(weight)
+    return torch._sparse_semi_structured_apply_dense(ones, bitmask) != 0
 
 
 def has_4x4_tiles(weight: Tensor) -> bool:

@@ -1,0 +1,225 @@
+"""The kernel check: is a 2:4 kernel right on the GPU it runs on?
+
+Packed 2:4 layouts change with torch and cuSPARSELt releases and GPU generations, and a
+layout the library does not read gives wrong results without an error. So before a 2:4
+kernel's first matmul in a process, :func:`check_kernel` runs a small 2:4 weight with known
+values through exactly the code that training (or inference) uses, forward and input
+gradient, and compares it with dense math on the same 2:4 weight. A kernel that fails is not
+used: its layers run masked math, the fit-start table says why, and one warning names the
+versions. Verdicts are cached per process and device.
+
+Kernels register themselves (:func:`register_kernel`); every function that runs one calls
+:func:`require_kernel` first, which runs the check once and raises :class:`KernelCheckError`
+for a kernel that failed it, so nothing can run an unchecked kernel.
+
+Example (a stand-in kernel, on the CPU):
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from lightning_sparse.backends.masked import straight_through_mask
+    >>> from lightning_sparse.masks.tiles import transposable_2to4_mask
+    >>> def dense_24(x, weight, bias):
+    ...     mask = transposable_2to4_mask(weight.detach())
+    ...     return F.linear(x, straight_through_mask(weight, mask), bias)
+    >>> register_kernel("doc-right", dense_24, label="a dense stand-in")
+    >>> check_kernel("doc-right", torch.float32, torch.device("cpu")).passed
+    True
+    >>> register_kernel("doc-wrong", lambda x, w, b: -dense_24(x, w, b), label="a wrong one")
+    >>> verdict = check_kernel("doc-wrong", torch.float32, torch.device("cpu"))
+    >>> verdict.passed, verdict.error
+    (False, 2.0)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_sparse.backends import capability as capability_rules
+from lightning_sparse.masks.tiles import transposable_2to4_mask
+
+Linear24 = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+"""``(x (tokens, in), weight (out, in), bias) -> x @ W24.T + bias``, ``W24`` the greedy
+transposable 2:4 projection of ``weight`` (a kernel registered with ``prunes=False`` is given
+a weight that is already 2:4), differentiable in ``x`` and ``weight`` (straight-through)."""
+
+TOLERANCE = 0.02
+"""Largest relative error (``||out - ref|| / ||ref||``) a half-precision kernel may show;
+rounding gives about 0.002, a wrong layout about 1."""
+_ROWS, _COLS, _TOKENS = 128, 256, 64  # multiples of 128: every 2:4 kernel takes them
+
+
+@dataclass(frozen=True)
+class KernelVerdict:
+    """The result of :func:`check_kernel`: passed or not, the largest relative error of the
+    output and gradients (``None`` when the kernel raised), and what was found, in one line
+    (e.g. "cuSPARSELt on sm90 (torch 2.11.0, cuSPARSELt 0.8.0), bfloat16 gave wrong results
+    in the kernel check (relative error 1.1)")."""
+
+    kernel: str
+    passed: bool
+    error: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    linear: Linear24
+    label: str
+    prunes: bool
+    trains: bool
+
+
+_KERNELS: dict[str, _Kernel] = {}
+_VERDICTS: dict[tuple[str, torch.dtype, torch.device], KernelVerdict] = {}
+_RUNNING: set[tuple[str, torch.dtype, torch.device]] = set()
+
+
+class KernelCheckError(RuntimeError):
+    """A 2:4 kernel that failed the kernel check was asked to run."""
+
+
+def register_kernel(
+    name: str, linear: Linear24, label: str, prunes: bool = True, trains: bool = True
+) -> None:
+    """Make ``linear`` the kernel ``name`` that :func:`check_kernel` runs. ``label`` names
+    it in messages (e.g. ``"cuSPARSELt"``); ``prunes=False``: it is given a 2:4 weight;
+    ``trains=False``: only its forward is checked (inference)."""
+    _KERNELS[name] = _Kernel(linear, label, prunes, trains)
+    for key in [key for key in _VERDICTS if key[0] == name]:
+        del _VERDICTS[key]
+
+
+def check_kernel(name: str, dtype: torch.dtype, device: torch.device) -> KernelVerdict:
+    """Run kernel ``name`` once on ``device`` in ``dtype`` and compare it with dense math
+    (cached: later calls return the first verdict). A failure warns once."""
+    key = (name, dtype, _normalized(device))
+    if key not in _VERDICTS:
+        _RUNNING.add(key)
+        try:
+            verdict = _run_check(name, _KERNELS[name], dtype, key[2])
+        finally:
+            _RUNNING.discard(key)
+        _VERDICTS[key] = verdict
+        if not verdict.passed:
+            warnings.warn(
+                f"{verdict.reason}; it is not used in this process: layers run masked "
+                f"dense math (the same function) instead, and exports stay dense",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _VERDICTS[key]
+
+
+def require_kernel(name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise :class:`KernelCheckError` unless kernel ``name`` passed the check on ``device``
+    in ``dtype`` (running it first if needed). Called by the code that runs the kernel."""
+    key = (name, dtype, _normalized(device))
+    if key in _RUNNING:  # the check itself is running the kernel
+        return
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise KernelCheckError(
+                f"the 2:4 kernel {name!r} is captured into a CUDA graph before it was "
+                f"checked; run one step eagerly first (as torch.compile's warm-up does)"
+            )
+        verdict = check_kernel(name, dtype, device)
+    if not verdict.passed:
+        raise KernelCheckError(verdict.reason)
+
+
+def _normalized(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def known_values(rows: int, cols: int, seed: int = 0) -> Tensor:
+    """A ``(rows, cols)`` weight whose ``|w|`` are distinct within every 4x4 tile (values
+    ``(1 + k/16) / 16`` with random signs, exact in float16 and bfloat16), so every greedy
+    2:4 choice is the same, however a kernel breaks ties.
+
+    Example:
+        >>> w = known_values(4, 8)
+        >>> w.shape, len(set(w[:, :4].abs().flatten().tolist()))
+        (torch.Size([4, 8]), 16)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    tiles = (rows // 4) * (cols // 4)
+    ranks = torch.argsort(torch.rand(tiles, 16, generator=gen, device="cpu"), dim=1)
+    signs = torch.randint(0, 2, (tiles, 16), generator=gen, device="cpu") * 2 - 1
+    values = (1 + ranks / 16) / 16 * signs
+    return (
+        values.view(rows // 4, cols // 4, 4, 4).permute(0, 2, 1, 3).reshape(rows, cols)
+    )
+
+
+def relative_error(out: Tensor, reference: Tensor) -> float:
+    """``||out - reference|| / ||reference||``, in float32."""
+    reference = reference.float()
+    return float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def versions(device: torch.device) -> str:
+    """``"sm90 (torch 2.11.0, cuSPARSELt 0.8.0)"``: what a verdict depends on."""
+    capability = capability_rules.device_capability(device)
+    arch = device.type if isinstance(capability, str) else "sm{}{}".format(*capability)
+    parts = [f"torch {torch.__version__.split('+')[0]}"]
+    version = torch.backends.cusparselt.version()
+    if version:
+        parts.append(
+            f"cuSPARSELt {version // 1000}.{version % 1000 // 100}.{version % 100}"
+        )
+    return f"{arch} ({', '.join(parts)})"
+
+
+def _run_check(
+    name: str, kernel: _Kernel, dtype: torch.dtype, device: torch.device
+) -> KernelVerdict:
+    gen = torch.Generator().manual_seed(1)
+    weight = known_values(_ROWS, _COLS)
+    w24 = weight * transposable_2to4_mask(weight)  # the CPU reference
+    x = torch.randn(_TOKENS, _COLS, generator=gen, device="cpu")
+    grad = torch.randn(_TOKENS, _ROWS, generator=gen, device="cpu")
+    reference = [x @ w24.T]
+    if kernel.trains:
+        reference += [grad @ w24, grad.T @ x]
+    given = (
+        (weight if kernel.prunes else w24)
+        .to(device, dtype)
+        .requires_grad_(kernel.trains)
+    )
+    x_in = x.to(device, dtype).requires_grad_(kernel.trains)
+    where = f"{kernel.label} on {versions(device)}, {str(dtype).removeprefix('torch.')}"
+    try:
+        out = kernel.linear(x_in, given, None)
+        got = [out]
+        if kernel.trains:
+            out.backward(grad.to(device, dtype))
+            got += [x_in.grad, given.grad]
+    except Exception as err:  # noqa: BLE001 (any failure of a kernel means: do not use it)
+        first_line = (str(err).strip().splitlines() or [""])[0][:200]
+        return KernelVerdict(
+            name,
+            False,
+            None,
+            f"{where} raised {type(err).__name__} in the kernel check ({first_line})",
+        )
+    error = max(relative_error(g.detach().cpu(), r) for g, r in zip(got, reference))
+    if error <= TOLERANCE:
+        return KernelVerdict(name, True, error, f"{where} passed the kernel check")
+    return KernelVerdict(
+        name,
+        False,
+        error,
+        f"{where} gave wrong results in the kernel check (relative error {error:.2g})",
+    )
+
+
+def forget_verdicts() -> None:
+    """Drop every cached verdict (as a new process would start)."""
+    _VERDICTS.clear()
