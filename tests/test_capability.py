@@ -12,6 +12,7 @@ from lightning_sparse.backends import (
     BackendChoice,
     choose_backend,
     require_semi_structured,
+    speed,
     validate_backend,
 )
 from lightning_sparse.backends import capability as cap
@@ -158,6 +159,30 @@ def test_verify_speed_keeps_slower_layers_dense(gpu):
         "semi_structured", "cuSPARSELt, sm80, bfloat16, 1.30x dense", "cusparselt"
     )
     assert calls == [((4096, 1024), "cusparselt", torch.bfloat16)] * 2
+
+
+@pytest.mark.parametrize(
+    ("dense_s", "sparse_s", "choice", "reason"),
+    [
+        (1.0, 2.0, "masked", "sparse 0.50x dense, so kept dense"),
+        (2.0, 1.0, "semi_structured", "cuSPARSELt, sm80, bfloat16, 2.00x dense"),
+    ],
+    ids=["sparse slower", "sparse faster"],
+)
+def test_verify_speed_divides_dense_time_by_sparse_time(
+    gpu, monkeypatch, dense_s, sparse_s, choice, reason
+):
+    """The real SpeedCheck and measure_speedup; only the timing (``_seconds``) is stubbed."""
+    seconds = {"dense": dense_s, "sparse": sparse_s}
+    monkeypatch.setattr(speed, "_seconds", lambda step, device: seconds[step.__name__])
+    layer = nn.Linear(256, 256)
+    owners = [("fc", layer, "weight")]
+    check = speed.SpeedCheck(tokens=8)
+    picked = choose_backend(
+        "auto", NM(2, 4), layer.weight, owners, torch.bfloat16, check
+    )
+    assert picked.name == choice and reason in picked.reason
+    assert list(check.results.values()) == [dense_s / sparse_s]
 
 
 def test_validate_backend_and_the_semi_structured_error():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save
 
 from lightning_sparse import load_compressed, save_compressed
-from lightning_sparse.formats.compressed_layout import FORMAT
+from lightning_sparse.formats.compressed_layout import FORMAT, MAX_DIMS
 
 
 def valid_state():
@@ -121,6 +121,16 @@ def shape_of(name):
             r"shape \[-8, -8\] is not a list of at most 64 non-negative",
         ),
         ("nm", {"shape": [8, 0]}, r"shape \[8, 0\] has no elements"),
+        (  # 64 elements in 65 dimensions
+            "nm",
+            {"shape": [1] * 63 + [8, 8]},
+            r"shape \[1, 1, .*, 8, 8\] is not a list of at most 64 non-negative",
+        ),
+        (
+            "nm",
+            {"shape": [8] + [1] * 198 + [8]},
+            r"shape \[8, 1, .*, 1, 8\] is not a list of at most 64 non-negative",
+        ),
         ("nm", {"shape": "8x8"}, r"shape '8x8' is not a list"),
         ("nm", {"shape": [8.0, 8]}, r"is not a list"),
         ("nm", {"shape": [True, 64]}, r"is not a list"),
@@ -370,7 +380,12 @@ def corrupted(draw, valid):
     elif kind == "json_value":
         metadata["sparse"] = json.dumps(draw(_JSON))
     elif kind == "shape":
-        entries[name]["shape"] = draw(st.lists(_INTS, max_size=4) | _JSON)
+        shape = entries[name]["shape"]
+        entries[name]["shape"] = draw(
+            st.lists(_INTS, max_size=4)
+            | st.integers(1, 300).map(lambda ones: [1] * ones + shape)  # same elements
+            | _JSON
+        )
     elif kind == "pattern":
         entries[name]["pattern"] = draw(
             st.from_regex(r"\A-?\d{1,6}:-?\d{1,6}\Z") | _JSON
@@ -462,7 +477,8 @@ def test_fuzzed_files_raise_value_errors_naming_the_file_and_allocate_no_more_th
             return
     event("loaded")
     # what still loads is a file that the corruption left valid (e.g. a changed value)
-    assert all(isinstance(t, torch.Tensor) for t in state.values())
+    for key, tensor in state.items():
+        assert isinstance(tensor, torch.Tensor) and tensor.dim() <= MAX_DIMS, key
 
 
 def test_every_valid_file_loads_as_written(tmp_path):

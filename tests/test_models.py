@@ -352,6 +352,31 @@ def test_a_weight_read_around_its_layer_stops_the_first_sparse_step():
         fast_trainer(max_steps=2, callbacks=[cb]).fit(Functional(), data)
 
 
+class IdleAttention(L.LightningModule):
+    """An ``nn.MultiheadAttention`` that the training step never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.head(batch[0]).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("param", ["attn.in_proj_weight", "attn.out_proj.weight"])
+def test_an_attention_that_never_runs_stops_the_first_sparse_step(param):
+    cb = SparsityCallback(sparsity="2:4", params=[param], verbose=False)
+    data = DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2)
+    with pytest.raises(
+        RuntimeError, match=rf"did not run in the first sparse step: \['{param} "
+    ):
+        fast_trainer(max_steps=2, callbacks=[cb]).fit(IdleAttention(), data)
+
+
 class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -159,6 +159,58 @@ def test_a_changed_schedule_stops_the_resume_naming_each_difference(
     )
 
 
+FC1, BOTH = ["net.fc1.weight"], ["net.fc1.weight", "net.fc2.weight"]
+DENSE_THEN_SPARSE = [{"sparsity": 0.0, "until": 4}, {"sparsity": 0.5}]
+
+
+@pytest.fixture(scope="module")
+def by_selection(tmp_path_factory):
+    """Checkpoints of DENSE_THEN_SPARSE selecting fc1, or fc1 and fc2: ``step=2.ckpt`` in the
+    dense phase, ``step=6.ckpt`` in the sparse one."""
+    folders = {}
+    for name, params in (("fc1", FC1), ("both", BOTH)):
+        folders[name] = tmp_path_factory.mktemp(name)
+        fit(folders[name], DENSE_THEN_SPARSE, 6, save_at=2, params=params)
+    return folders
+
+
+WIDENED = r"this group selects parameters \['net.fc2.weight'\]; the checkpoint {}"
+NARROWED = (
+    r"the checkpoint {} parameters this group does not select: \['net.fc2.weight'\]"
+)
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "step", "difference"),
+    [
+        ("fc1", BOTH, 2, WIDENED.format("was not saved for them")),
+        ("fc1", BOTH, 6, WIDENED.format("has no mask for them")),
+        ("both", FC1, 2, NARROWED.format("was saved for")),
+        ("both", FC1, 6, NARROWED.format("has masks for")),
+    ],
+    ids=["widened, dense", "widened, sparse", "narrowed, dense", "narrowed, sparse"],
+)
+def test_a_changed_selection_stops_the_resume_or_applies_with_the_opt_in(
+    tmp_path, by_selection, saved, now, step, difference
+):
+    ckpt = by_selection[saved] / f"step={step}.ckpt"
+    with pytest.raises(ValueError, match=r"another schedule: " + difference):
+        fit(tmp_path, DENSE_THEN_SPARSE, 8, ckpt_path=ckpt, params=now)
+    model, cb, _ = fit(
+        tmp_path,
+        DENSE_THEN_SPARSE,
+        8,
+        ckpt_path=ckpt,
+        params=now,
+        on_schedule_change="reselect",
+    )
+    assert [t.name for t in cb.sparsifier.targets] == now
+    assert sorted(cb.sparsifier.masks) == now
+    for name in now:  # 50% static: the pruned weights are stored as zeros
+        zeros = float((model.get_parameter(name) == 0).float().mean())
+        assert zeros == 0.5, name
+
+
 def test_the_opt_in_applies_the_new_schedule_at_the_resume_step(
     tmp_path, static_50, lightning_log
 ):
