@@ -1,4 +1,5 @@
-"""Calibration forwards under Lightning: the batches ``init='wanda'`` gathers input norms from.
+"""Calibration forwards under Lightning: the batches ``init='wanda'`` gathers input norms from,
+and the forward of ``example_input_array`` the default selection finds the output head by.
 
 :class:`TrainLoaderForwards` runs the LightningModule's ``training_step`` on the first batches
 of the train loader at a phase start, and leaves the training run exactly as it would have been
@@ -16,6 +17,9 @@ without it:
   is restored afterwards. A metric object that ``training_step`` updates itself does see the
   calibration batches.
 
+:func:`example_forward` runs ``model(example_input_array)`` the same way (eval mode, no
+gradients, every generator restored, ``self.log`` ignored), as Lightning's model summary does.
+
 Example:
     >>> from lightning_sparse import SparsityCallback
     >>> cb = SparsityCallback(phases=[{"sparsity": "2:4", "algorithm": "static", "init": "wanda"}])
@@ -26,13 +30,14 @@ from __future__ import annotations
 import copy
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset
@@ -79,6 +84,39 @@ class TrainLoaderForwards:
                 "init='wanda' needs calibration batches, but the train loader gave none"
             )
         return ran
+
+
+def example_forward(
+    module: torch.nn.Module, trainer: pl.Trainer | None = None
+) -> Callable[[], Any] | None:
+    """A forward of ``module.example_input_array`` that leaves the run as it was (see the module
+    docstring), or ``None`` if the module has none. The input goes to the module's device (by
+    ``trainer``'s strategy, as a batch, when given) and runs under ``trainer``'s precision."""
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        return None
+
+    def forward() -> Any:
+        if trainer is None:
+            device = next(module.parameters(), torch.empty(0)).device
+            inputs = move_data_to_device(example, device)
+        else:
+            inputs = trainer.strategy.batch_to_device(example)
+        with ExitStack() as stack:
+            stack.enter_context(isolate_rng())
+            stack.enter_context(_eval_mode(module))
+            if isinstance(module, pl.LightningModule):
+                stack.enter_context(_logging_ignored(module))
+            stack.enter_context(torch.no_grad())
+            if trainer is not None:
+                stack.enter_context(trainer.precision_plugin.forward_context())
+            if isinstance(inputs, (list, tuple)):
+                return module(*inputs)
+            if isinstance(inputs, dict):
+                return module(**inputs)
+            return module(inputs)
+
+    return forward
 
 
 def train_loader(trainer: pl.Trainer) -> DataLoader:

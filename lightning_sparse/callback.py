@@ -15,7 +15,8 @@ from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
-from lightning_sparse.calibration import TrainLoaderForwards
+from lightning_sparse.calibration import TrainLoaderForwards, example_forward
+from lightning_sparse.core.head import record_calls
 from lightning_sparse.core.schedule import (
     Phase,
     counts_epochs,
@@ -47,7 +48,9 @@ class SparsityCallback(Callback):
             ``phases``, not both.
         params: glob patterns (or ``re:`` regexes) of parameter names to sparsify. Default: every
             Linear, Conv1D (Hugging Face) or ConvNd weight except embeddings, norms, the
-            output head and tied weights.
+            output head (found by a forward of ``example_input_array`` if the module has one,
+            else by name), tied weights and layers that cannot hold an N:M pattern of the
+            phases; the fit-start table lists each with its reason.
         exclude: patterns of parameters to leave dense.
         backend: ``"auto"`` (the fastest the hardware allows, per layer), ``"masked"`` (dense
             math on masked weights, any device) or ``"semi_structured"`` (2:4 sparse tensor
@@ -211,6 +214,7 @@ class SparsityCallback(Callback):
             autocast_dtype(trainer.precision),
             others,
             calibration_forwards=TrainLoaderForwards(trainer),
+            example_forward=example_forward(pl_module, trainer),
         )
         if self.verbose:
             rank_zero_info(plan_table(self.sparsifier, self.selection))
@@ -223,6 +227,7 @@ class SparsityCallback(Callback):
         others: Sequence[tuple[str, Selection]] = (),
         gpu: GpuTarget | None = None,
         calibration_forwards: Callable[[int, int], int] | None = None,
+        example_forward: Callable[[], Any] | None = None,
     ) -> tuple[Sparsifier, Selection]:
         """Select this group's parameters and build its engine for a run of ``run`` optimizer
         steps: what fit start does, without touching the model (no mask is applied), so it also
@@ -230,7 +235,10 @@ class SparsityCallback(Callback):
         the other groups, which must own disjoint parameters; ``gpu`` chooses the backends for
         that GPU instead of the parameters' device (a prediction); ``calibration_forwards``
         runs the forwards ``init='wanda'`` gathers input norms from (fit start passes
-        :class:`~lightning_sparse.calibration.TrainLoaderForwards`).
+        :class:`~lightning_sparse.calibration.TrainLoaderForwards`); ``example_forward``, a
+        forward of the model's ``example_input_array``, finds the output head of a default
+        selection by the layers it calls (fit start and ``plan`` pass
+        :func:`~lightning_sparse.calibration.example_forward`; it runs only without ``params``).
 
         Example:
             >>> from torch import nn
@@ -241,11 +249,17 @@ class SparsityCallback(Callback):
             >>> [(p.start, p.end) for p in sparsifier.phases], [t.name for t in selection.targets]
             ([(0, 70), (70, 100)], ['0.weight'])
         """
-        selection = select_parameters(pl_module, self.params, self.exclude)
-        check_disjoint(self.name, selection, others)
         resolved = resolve_phases(
             self.phases, run.total_steps, run.steps_per_epoch, run.advice
         )
+        calls = None
+        if self.params is None and example_forward is not None:
+            source = "the forward of example_input_array"
+            calls = record_calls(pl_module, example_forward, source)
+        selection = select_parameters(
+            pl_module, self.params, self.exclude, resolved, calls
+        )
+        check_disjoint(self.name, selection, others)
         if not selection.targets and any(not p.spec.is_dense for p in resolved):
             raise ValueError(
                 empty_selection_message(selection, self.name, type(pl_module).__name__)

@@ -69,6 +69,39 @@ class TinyModule(L.LightningModule):
         )
 
 
+class Classifier(L.LightningModule):
+    """Cross-entropy on ``(input, label)`` batches for any network ``net``; ``example`` becomes
+    its ``example_input_array``."""
+
+    def __init__(
+        self, net: nn.Module, example: torch.Tensor | None = None, lr: float = 1e-2
+    ) -> None:
+        super().__init__()
+        self.model = net
+        self.example_input_array = example
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def labelled_loader(
+    shape: tuple[int, ...], classes: int, n: int = 8, batch_size: int = 4
+) -> DataLoader:
+    """``n`` random inputs of ``shape`` with labels below ``classes``."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, *shape, generator=gen)
+    y = torch.randint(classes, (n,), generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
 class Block(nn.Module):
     """Three layers of one shape, defined out of alphabetical order (``up``, ``gate``, ``down``)."""
 

@@ -354,7 +354,8 @@ def test_unmatched_pattern_fails_at_fit_start():
 
 
 def test_impossible_nm_for_a_parameter_is_named():
-    cb = SparsityCallback(sparsity="2:4")
+    # named in params: the user asked for it, so the group refuses rather than drop it
+    cb = SparsityCallback(sparsity="2:4", params=["net.fc1.weight", "net.fc2.weight"])
     with pytest.raises(
         ValueError,
         match=r"sparsity '2:4' is impossible for parameter 'net.fc1.weight': .* 6 inputs per output, not a multiple of M=4",
@@ -362,6 +363,27 @@ def test_impossible_nm_for_a_parameter_is_named():
         fast_trainer(max_steps=1, callbacks=[cb]).fit(
             TinyModule(inputs=6), random_loader(inputs=6)
         )
+
+
+@pytest.mark.parametrize("exclude", [None, ["net.fc2.bias"]])
+def test_default_selection_leaves_a_layer_that_cannot_hold_nm_dense_all_run(
+    lightning_log, exclude
+):
+    # 2:4 then 50% unstructured: fc1 (6 inputs) could take the second phase, but a group keeps
+    # one set of parameters for the whole run, so it stays dense throughout
+    cb = SparsityCallback(
+        phases=[{"sparsity": "2:4", "until": 2}, {"sparsity": 0.5}], exclude=exclude
+    )
+    model = TinyModule(inputs=6)
+    fast_trainer(max_steps=4, callbacks=[cb]).fit(model, random_loader(inputs=6))
+    assert [t.name for t in cb.selection.targets] == ["net.fc2.weight"]
+    text = "\n".join(r.getMessage() for r in lightning_log.records)
+    assert (
+        "6 inputs per output, not a multiple of M=4 (2:4 in phase 1): net.fc1.weight"
+        in text
+    )
+    assert bool((model.net.fc1.weight != 0).all())
+    assert float((model.net.fc2.weight == 0).float().mean()) == 0.5
 
 
 class Endless(IterableDataset):

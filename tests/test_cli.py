@@ -11,14 +11,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import TinyModule, fast_trainer, random_loader
+from helpers import Classifier, TinyModule, fast_trainer, random_loader
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.cli.flops import linear_flops_per_token
 from lightning_sparse.cli.main import SparseCLI, main
-from lightning_sparse.cli.plan import plan_schedule, run_length
+from lightning_sparse.cli.plan import format_plan, plan_schedule, run_length
 from lightning_sparse.demo import GPTLanguageModel
 from lightning_sparse.masks import NM
 
@@ -377,3 +377,35 @@ def test_fit_resumes_from_ckpt_path_and_names_a_changed_schedule(
         in str(exit_info.value)
     )
     assert "phases[0].sparsity: 2:4 in the checkpoint, 0.5 now" in str(exit_info.value)
+
+
+def test_plan_leaves_nm_misfits_dense_and_finds_the_head_by_the_example_forward():
+    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
+    vit = vision_transformer.VisionTransformer(
+        image_size=16,
+        patch_size=8,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=4,
+    )
+    module = Classifier(vit, example=torch.randn(1, 3, 16, 16))
+    cb = SparsityCallback(phases=[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}])
+    text = format_plan(
+        plan_schedule(fast_trainer(max_steps=10, callbacks=[cb]), module)
+    )
+    assert (
+        "3 input channels, not a multiple of M=4 (2:4 in phase 1): model.conv_proj.weight"
+        in text
+    )
+    assert (
+        "output head model.heads.head: returned by the forward of example_input_array"
+        in text
+    )
+    # an explicit pattern that names the misfit keeps the error
+    cb = SparsityCallback(sparsity="2:4", params=["conv_proj.weight"])
+    with pytest.raises(
+        ValueError, match=r"'model.conv_proj.weight': .*3 input channels"
+    ):
+        plan_schedule(fast_trainer(max_steps=10, callbacks=[cb]), module)

@@ -13,7 +13,14 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import StopAt, fast_trainer
+from helpers import (
+    Classifier,
+    StopAt,
+    TinyModule,
+    fast_trainer,
+    labelled_loader,
+    random_loader,
+)
 from hf_models import LMModule, tiny_gpt2, tiny_llama, token_loader, transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
 from probes import PHASES, EffectiveProbe, assert_phases, effective_rows, run_phase
@@ -25,6 +32,7 @@ from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
 from lightning_sparse.cli.flops import linear_flops_per_token
+from lightning_sparse.core.head import NO_FORWARD
 from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, layer_type
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
@@ -726,3 +734,120 @@ def test_fit_through_2to4_70_percent_and_dense_phases(family):
     cb = SparsityCallback(phases=PHASES, exclude=fit.exclude, verbose=False)
     fast_trainer(max_steps=5, callbacks=[cb, probe]).fit(fit.module, fit.data)
     assert_phases(probe, fit.dense_zeros)
+
+
+def _log_text(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+def test_torchvision_vit_default_2to4_leaves_conv_proj_dense_and_trains(lightning_log):
+    module = Classifier(tiny_torchvision_vit(), example=torch.randn(1, 3, 16, 16))
+    cb = SparsityCallback(phases=[{"sparsity": "2:4", "until": 2}, {"sparsity": 0.5}])
+    fast_trainer(max_steps=3, callbacks=[cb]).fit(
+        module, labelled_loader((3, 16, 16), classes=4)
+    )
+    text = _log_text(lightning_log)
+    assert (
+        "3 input channels, not a multiple of M=4 (2:4 in phase 1): model.conv_proj.weight"
+        in text
+    )
+    assert (
+        "output head model.heads.head: returned by the forward of example_input_array; "
+        "named 'head'" in text
+    )
+    assert bool((module.model.conv_proj.weight != 0).all())  # dense in both phases
+    fc1 = module.model.encoder.layers[0].mlp[0].weight
+    assert float((fc1 == 0).float().mean()) == 0.5
+
+
+def test_torchvision_resnet_default_2to4_leaves_the_stem_dense_and_trains(
+    lightning_log,
+):
+    models = pytest.importorskip("torchvision.models")
+    module = Classifier(models.resnet18(num_classes=4))  # no example: the head by name
+    cb = SparsityCallback(sparsity="2:4")
+    fast_trainer(max_steps=2, callbacks=[cb]).fit(
+        module, labelled_loader((3, 32, 32), classes=4, n=4, batch_size=2)
+    )
+    text = _log_text(lightning_log)
+    assert (
+        "3 input channels, not a multiple of M=4 (2:4 in phase 1): model.conv1.weight"
+        in text
+    )
+    assert (
+        "output head model.fc: named 'fc' (no forward seen: set example_input_array"
+        in text
+    )
+    assert "model.layer1.0.conv1.weight" in [t.name for t in cb.selection.targets]
+
+
+class FcMidOutModule(Classifier):
+    """``fc -> mid -> out`` (10 logits from ``out``), ``out`` registered first."""
+
+    def __init__(self, example: bool) -> None:
+        net = nn.Module()
+        net.out = nn.Linear(16, 10)
+        net.fc = nn.Linear(8, 16)
+        net.mid = nn.Linear(16, 16)
+        net.forward = lambda x: net.out(torch.relu(net.mid(torch.relu(net.fc(x)))))
+        super().__init__(net, torch.randn(2, 8) if example else None)
+
+
+def test_hand_written_head_is_found_by_the_forward_of_example_input_array(
+    lightning_log,
+):
+    module = FcMidOutModule(example=True)
+    cb = SparsityCallback(sparsity=0.5)
+    fast_trainer(max_steps=2, callbacks=[cb]).fit(
+        module, labelled_loader((8,), classes=10)
+    )
+    assert [t.name for t in cb.selection.targets] == [
+        "model.fc.weight",
+        "model.mid.weight",
+    ]
+    assert cb.selection.excluded["model.out.weight"] == "output head"
+    assert (
+        "output head model.out: returned by the forward of example_input_array"
+        in _log_text(lightning_log)
+    )
+    assert bool((module.model.out.weight != 0).all())
+    # without the example, registration order is the only evidence left: it names mid, and
+    # the table says which evidence it used and how to give a better one
+    cb = SparsityCallback(sparsity=0.5)
+    fast_trainer(max_steps=1, callbacks=[cb]).fit(
+        FcMidOutModule(example=False), labelled_loader((8,), classes=10)
+    )
+    assert cb.selection.heads == {
+        "model.mid": f"the last layer registered ({NO_FORWARD})"
+    }
+
+
+class NoisyTiny(TinyModule):
+    """TinyModule with BatchNorm and dropout: state and randomness a forward could disturb."""
+
+    def __init__(self, example: bool) -> None:
+        super().__init__()
+        self.net.fc2 = nn.Sequential(
+            nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.3)
+        )
+        # drawn from a generator of its own: the runs share every global random number
+        gen = torch.Generator().manual_seed(1)
+        self.example_input_array = torch.randn(3, 8, generator=gen) if example else None
+
+
+def test_the_example_forward_changes_no_mask_or_weight_bit_for_bit():
+    weights = {}
+    for example in (False, True):
+        torch.manual_seed(0)
+        module = NoisyTiny(example)
+        cb = SparsityCallback(
+            phases=[{"sparsity": "2:4", "until": 3}, {"sparsity": 0.5}], verbose=False
+        )
+        fast_trainer(max_steps=5, callbacks=[cb]).fit(module, random_loader())
+        assert ("returned by" in cb.selection.heads["net.head"]) is example
+        weights[example] = {k: v.clone() for k, v in module.state_dict().items()}
+        masks = {k: v.clone() for k, v in cb.sparsifier.masks.items()}
+        weights[example].update({f"{k}_mask": v for k, v in masks.items()})
+    assert weights[True].keys() == weights[False].keys()
+    for key, value in weights[False].items():
+        assert torch.equal(value, weights[True][key]), key

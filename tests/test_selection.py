@@ -3,6 +3,8 @@ import timm
 import torch
 from torch import nn
 
+from lightning_sparse.core.head import NO_FORWARD, Calls, find_heads, record_calls
+from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 
 
@@ -135,3 +137,107 @@ def test_conv_weights_selected_by_default():
     sel = select_parameters(net)
     assert [t.name for t in sel.targets] == ["0.weight", "2.weight"]
     assert sel.excluded["4.weight"] == "output head"
+
+
+class FcMidOut(nn.Module):
+    """A first layer named ``fc`` (a ResNet's head name) and the logits from ``out``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(torch.relu(self.fc(x)))))
+
+
+class OutputFirst(nn.Module):
+    """A head name on the first layer to run, and the head registered first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits = nn.Linear(16, 10)
+        self.output = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(torch.relu(self.mid(torch.relu(self.output(x)))))
+
+
+def forward_of(model: nn.Module, *shape: int) -> Calls:
+    return record_calls(model, lambda: model(torch.randn(*shape)), "a forward")
+
+
+def test_fc_first_is_no_head_without_or_with_a_forward():
+    model = FcMidOut()
+    sel = select_parameters(model)
+    assert sel.excluded["out.weight"] == "output head"
+    assert [t.name for t in sel.targets] == ["fc.weight", "mid.weight"]
+    assert sel.heads == {"out": f"the last layer registered ({NO_FORWARD})"}
+    sel = select_parameters(model, calls=forward_of(model, 2, 8))
+    assert sel.excluded["out.weight"] == "output head"
+    assert sel.heads == {"out": "returned by a forward"}
+
+
+def test_a_forward_outweighs_a_head_name_and_registration_order():
+    model = OutputFirst()
+    by_name = select_parameters(model)  # no forward: the name decides
+    assert by_name.heads == {"output": f"named 'output' ({NO_FORWARD})"}
+    sel = select_parameters(model, calls=forward_of(model, 2, 8))
+    assert sel.heads == {"logits": "returned by a forward"}
+    assert [t.name for t in sel.targets] == ["output.weight", "mid.weight"]
+
+
+class TwoHeads(nn.Module):
+    """timm DeiT's eval forward: two named heads, their logits averaged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.head_dist = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(x)
+        return (self.head(x) + self.head_dist(x)) / 2
+
+
+def test_named_heads_among_the_last_to_run_are_heads_too():
+    model = TwoHeads()
+    heads = find_heads(model, forward_of(model, 2, 8))
+    assert heads == {
+        "head_dist": "the last layer to run in a forward; named 'head_dist'",
+        "head": "named 'head'; among the last to run in a forward",
+    }
+
+
+def test_tuple_and_mapping_outputs_name_every_returned_layer():
+    model = TwoHeads()
+    model.forward = lambda x: {"logits": (model.head(model.body(x)).view(-1),)}
+    assert find_heads(model, forward_of(model, 2, 8)) == {
+        "head": "returned by a forward; named 'head'",
+        "head_dist": "named 'head_dist'; did not run in a forward",
+    }
+
+
+def test_a_failed_forward_falls_back_to_names_and_says_why():
+    model = FcMidOut()
+    calls = forward_of(model, 2, 7)  # 7 features where fc takes 8
+    assert calls.failed is not None and calls.failed.startswith("RuntimeError: ")
+    sel = select_parameters(model, calls=calls)
+    (how,) = sel.heads.values()
+    assert sel.excluded["out.weight"] == "output head"
+    assert how.startswith("the last layer registered (a forward failed: RuntimeError")
+
+
+def test_explicit_params_select_an_nm_misfit_and_find_no_head():
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    phases = resolve_phases([Phase(sparsity="2:4")], total_steps=10)
+    sel = select_parameters(net, phases=phases)
+    assert sel.targets == [] and sel.excluded["0.weight"].startswith("6 inputs")
+    sel = select_parameters(net, params=["0.weight"], phases=phases)
+    assert [t.name for t in sel.targets] == ["0.weight"] and sel.heads == {}
+    # a float schedule fits every layer
+    sel = select_parameters(net, phases=resolve_phases([Phase(sparsity=0.5)], 10))
+    assert [t.name for t in sel.targets] == ["0.weight"]

@@ -41,6 +41,7 @@ from torch import nn
 from lightning_sparse.algorithms import RunLength, SparsityAlgorithm
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
+from lightning_sparse.calibration import example_forward
 from lightning_sparse.callback import SparsityCallback
 from lightning_sparse.cli.flops import FlopSavings, linear_flops_per_token, run_savings
 from lightning_sparse.core.schedule import ResolvedPhase, counts_epochs
@@ -194,7 +195,9 @@ def _plan_group(
     flops: dict[str, int],
     gpu: GpuTarget | None,
 ) -> GroupPlan:
-    sparsifier, selection = callback.build(model, run, compute_dtype, others, gpu)
+    sparsifier, selection = callback.build(
+        model, run, compute_dtype, others, gpu, example_forward=example_forward(model)
+    )
     weights = {t.name: t.param.detach() for t in sparsifier.targets}
     end: dict[str, list[float]] = {name: [] for name in weights}
     mean: dict[str, list[float]] = {name: [] for name in weights}

@@ -215,14 +215,23 @@ def layer_types(model: nn.Module) -> dict[str, LayerType]:
     return found
 
 
-def nm_unsupported(layer: LayerType, shape: torch.Size, m: int) -> str | None:
-    """Why N:M groups of ``m`` cannot run along the inputs of a ``layer`` weight of ``shape``,
-    or ``None`` if they can."""
+def nm_misfit(layer: LayerType, shape: torch.Size, m: int) -> str | None:
+    """Why N:M groups of ``m`` do not fit the inputs of a ``layer`` weight of ``shape``, in a
+    few words (``"3 input channels, not a multiple of M=4"``), or ``None`` if they fit."""
     inputs = layer.inputs(shape)
     if inputs % m == 0:
         return None
     what = "input channels" if layer is CONV else "inputs per output"
+    return f"{inputs} {what}, not a multiple of M={m}"
+
+
+def nm_unsupported(layer: LayerType, shape: torch.Size, m: int) -> str | None:
+    """Why N:M groups of ``m`` cannot run along the inputs of a ``layer`` weight of ``shape``,
+    or ``None`` if they can."""
+    misfit = nm_misfit(layer, shape, m)
+    if misfit is None:
+        return None
     return (
-        f"its {layer.name} weight of shape {tuple(shape)} (stored {layer.stored}) has {inputs} "
-        f"{what}, not a multiple of M={m}"
+        f"its {layer.name} weight of shape {tuple(shape)} (stored {layer.stored}) has "
+        f"{misfit}"
     )

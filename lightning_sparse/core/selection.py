@@ -7,10 +7,12 @@ LightningModule that wraps the network as ``self.model``.
 
 Without ``params``: every weight with two or more dimensions that belongs to a layer of a known
 type (``nn.Linear``, ``nn.ConvNd``, Hugging Face ``Conv1D``: :mod:`~lightning_sparse.core.layers`),
-except embeddings, norms, the output head, weights tied to an embedding, and parameters with
-``requires_dense = True``. The output head is found by name (a module called ``lm_head``,
-``head``, ``classifier``, ``output``..., a ``fc`` at the top level or directly under a head) and
-by ties to an embedding; only a model with neither leaves its last layer dense as the head.
+except embeddings, norms, the output head (found by a forward when one is given, else by name:
+:mod:`~lightning_sparse.core.head`), weights tied to an embedding, and parameters with
+``requires_dense = True``. Given the schedule's phases, the default also leaves dense each layer
+that cannot hold one of its N:M patterns (a ResNet stem's 3 input channels for 2:4), with the
+reason, for the whole run: a group keeps one set of parameters through all its phases. Explicit
+``params`` select such a layer anyway, and building the group then names it in an error.
 
 Example:
     >>> import torch.nn as nn
@@ -19,30 +21,32 @@ Example:
     >>> sel = select_parameters(net)
     >>> [t.name for t in sel.targets], sel.excluded
     (['0.weight'], {'0.bias': '1-D', '2.weight': 'output head', '2.bias': '1-D'})
+    >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+    >>> net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    >>> sel = select_parameters(net, phases=resolve_phases([Phase(sparsity="2:4")], 10))
+    >>> [t.name for t in sel.targets], sel.excluded["0.weight"]
+    (['2.weight'], '6 inputs per output, not a multiple of M=4 (2:4 in phase 1)')
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_sparse.core.layers import LAYER_TYPES, STORED, LayerType, layer_type
-
-_EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
-# ``head_dist``: the distillation head of timm's DeiT (and LeViT), beside ``head``
-_HEAD_NAMES = {
-    "head",
-    "head_dist",
-    "lm_head",
-    "classifier",
-    "output",
-    "fc_out",
-    "output_layer",
-}
+from lightning_sparse.core.head import EMBEDDING_TYPES, Calls, find_heads, is_layer
+from lightning_sparse.core.layers import (
+    LAYER_TYPES,
+    STORED,
+    LayerType,
+    layer_type,
+    nm_misfit,
+)
+from lightning_sparse.core.schedule import ResolvedPhase
+from lightning_sparse.masks import NM, describe
 
 
 @dataclass
@@ -78,10 +82,12 @@ class ParamTarget:
 
 @dataclass
 class Selection:
-    """Selected parameters in model order, plus ``excluded``: name -> reason, for the report."""
+    """Selected parameters in model order, plus ``excluded``: name -> reason, and for a default
+    selection ``heads``: output head module name -> how it was found, for the report."""
 
     targets: list[ParamTarget]
     excluded: dict[str, str] = field(default_factory=dict)
+    heads: dict[str, str] = field(default_factory=dict)
 
 
 class _Pattern:
@@ -135,44 +141,16 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
     return owners
 
 
-def _is_layer(module: nn.Module) -> bool:
-    return layer_type(module) is not STORED
-
-
-def _head_by_name(module_name: str) -> bool:
-    parts = module_name.split(".")
-    if parts[-1] in _HEAD_NAMES:
-        return True
-    # torchvision/timm ResNets: a top-level ``fc``; timm ConvNeXt and others: ``head.fc``
-    return parts[-1] == "fc" and (len(parts) == 1 or parts[-2] in _HEAD_NAMES)
-
-
-def _heads(
-    model: nn.Module, owners: dict[int, list[tuple[str, nn.Module, str]]]
-) -> set[str]:
-    """The names of the output head modules: by name, or by a weight tied to an embedding;
-    without either, the last layer of a known type (a plain stack of layers)."""
-    layers = [(n, m) for n, m in model.named_modules() if _is_layer(m)]
-    heads = {n for n, _ in layers if _head_by_name(n)}
-    for name, module in layers:
-        holders = owners.get(id(getattr(module, "weight", None)), [])
-        if any(isinstance(m, _EMBEDDING_TYPES) for _, m, _ in holders):
-            heads.add(name)
-    if not heads and layers:
-        heads.add(layers[-1][0])
-    return heads
-
-
 def _default_exclusion(
-    name: str, owners: list[tuple[str, nn.Module, str]], heads: set[str]
+    name: str, owners: list[tuple[str, nn.Module, str]], heads: Mapping[str, str]
 ) -> str | None:
     """Why the default heuristic leaves a >=2-D parameter dense, or None to select it."""
-    if any(isinstance(m, _EMBEDDING_TYPES) for _, m, _ in owners):
+    if any(isinstance(m, EMBEDDING_TYPES) for _, m, _ in owners):
         if len({id(m) for _, m, _ in owners}) > 1:
             return "tied to an embedding"
         return "embedding"
     module_name, module, attr = owners[0]
-    if not _is_layer(module) or attr != "weight":
+    if not is_layer(module) or attr != "weight":
         names = [t.name for t in LAYER_TYPES]
         kinds = f"{', '.join(names[:-1])} or {names[-1]}"
         return f"not a {kinds} weight ({type(module).__name__}.{attr})"
@@ -186,6 +164,16 @@ def _default_exclusion(
         return "embedding"
     if module_name in heads:
         return "output head"
+    return None
+
+
+def _misfit(target: ParamTarget, phases: Sequence[ResolvedPhase]) -> str | None:
+    """Why ``target`` cannot hold the N:M pattern of one of ``phases``, or ``None``."""
+    for phase in phases:
+        if isinstance(phase.target, NM):
+            misfit = nm_misfit(target.layer, target.param.shape, phase.target.m)
+            if misfit is not None:
+                return f"{misfit} ({describe(phase.target)} in phase {phase.index + 1})"
     return None
 
 
@@ -249,8 +237,12 @@ def select_parameters(
     model: nn.Module,
     params: Sequence[str] | str | None = None,
     exclude: Sequence[str] | str | None = None,
+    phases: Sequence[ResolvedPhase] = (),
+    calls: Calls | None = None,
 ) -> Selection:
-    """Select the parameters to sparsify (see the module docstring for the rules).
+    """Select the parameters to sparsify (see the module docstring for the rules). Without
+    ``params``, ``phases`` (the group's schedule) leave dense the layers that cannot hold one
+    of its N:M patterns, and ``calls`` (a recorded forward) find the output head.
 
     Raises:
         ValueError: a pattern in ``params`` or ``exclude`` matches no parameter; the message
@@ -260,7 +252,7 @@ def select_parameters(
     skip = compile_patterns(exclude, "exclude")
     owners = _owners(model)
     named = list(model.named_parameters())  # deduplicated: a tied weight appears once
-    heads = _heads(model, owners)
+    heads = {} if include else find_heads(model, calls)
     modules = dict(model.named_modules(remove_duplicate=False))
 
     hits: dict[str, list[str]] = {p.text: [] for p in include + skip}
@@ -286,8 +278,11 @@ def select_parameters(
             holders = owners[id(param)]
             readers = _readers(modules, holders)
             attribute = bool(readers) and _read_as_attribute(holders)
-            targets.append(ParamTarget(name, param, holders, readers, attribute))
-        else:
+            target = ParamTarget(name, param, holders, readers, attribute)
+            reason = None if include else _misfit(target, phases)
+            if reason is None:
+                targets.append(target)
+        if reason is not None:
             excluded[name] = reason
 
     for pattern in include + skip:
@@ -319,7 +314,7 @@ def select_parameters(
                 f"params pattern {pattern.text!r} matches only parameters that cannot be "
                 f"sparsified: {why}; point it at weights with 2 or more dimensions"
             )
-    return Selection(targets, excluded)
+    return Selection(targets, excluded, heads)
 
 
 def empty_selection_message(selection: Selection, group: str, model: str) -> str:

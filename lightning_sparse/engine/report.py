@@ -20,7 +20,8 @@ def text_table(rows: list[list[str]]) -> list[str]:
 
 
 def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
-    """Each selected parameter, its shape, sparsity per phase, backend and why; then exclusions."""
+    """Each selected parameter, its shape, sparsity per phase, backend and why; then exclusions
+    and how the output head was found."""
     sp = sparsifier
     lines = [
         f"SparsityCallback '{sp.name}': {len(sp.targets)} parameters, {len(sp.phases)} phase(s)"
@@ -58,6 +59,8 @@ def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
                 f" (+{len(names) - 4} more)" if len(names) > 4 else ""
             )
             lines.append(f"    {reason}: {shown}")
+    for head, how in selection.heads.items():
+        lines.append(f"  output head {head or 'model'}: {how}")
     return "\n".join(lines)
 
 
