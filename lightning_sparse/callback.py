@@ -69,6 +69,11 @@ class SparsityCallback(Callback):
             each difference) or ``"reselect"`` (apply this schedule from the resume step,
             masks chosen afresh there for the phase it has at that step, logged as a phase
             change). A longer or shorter run is no change: its boundaries move with it.
+        allow_skipped_layers: after the first sparse step, a selected layer whose sparse
+            forward did not run is an error by default (the model may read its weight some
+            other way, which would train it dense while the logs say sparse). ``True`` logs
+            those layers instead, for models that skip layers on purpose (layer drop, routed
+            experts, branches taken only for some inputs).
 
     Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
     Masks, the phase, the last update step and the schedule are saved in checkpoints and
@@ -101,6 +106,7 @@ class SparsityCallback(Callback):
         verbose: bool = True,
         verify_speed: bool = False,
         on_schedule_change: str = "error",
+        allow_skipped_layers: bool = False,
     ) -> None:
         if (sparsity is None) == (phases is None):
             raise ValueError(
@@ -146,6 +152,12 @@ class SparsityCallback(Callback):
                 f"masks chosen afresh there)"
             )
         self.on_schedule_change = on_schedule_change
+        if not isinstance(allow_skipped_layers, bool):
+            raise TypeError(
+                f"allow_skipped_layers={allow_skipped_layers!r}: use True (a layer that does "
+                f"not run in the first sparse step is logged) or False (an error, the default)"
+            )
+        self.allow_skipped_layers = allow_skipped_layers
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -275,6 +287,7 @@ class SparsityCallback(Callback):
             verify_speed=self.verify_speed,
             gpu=gpu,
             calibration_forwards=calibration_forwards,
+            allow_skipped_layers=self.allow_skipped_layers,
         )
         return sparsifier, selection
 
@@ -421,6 +434,40 @@ class SparsityCallback(Callback):
         self.flips.load_state_dict(state_dict.get("flip_rate"), f"[{self.name}]")
         self._pending_state = dict(state_dict)
         self._active = False
+
+
+def check_distinct_names(callbacks: Sequence[Callback]) -> None:
+    """Raise a ``ValueError`` naming two ``SparsityCallback`` of ``callbacks`` (a trainer's,
+    in order) that share a ``name``, and the fix. The name keys each group's logs and checkpoint
+    state, so Lightning refuses two of one name when the ``Trainer`` is built.
+
+    Example:
+        >>> check_distinct_names([SparsityCallback(sparsity=0.5), SparsityCallback(sparsity="2:4")])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: trainer.callbacks[0] (phases: 50% static) and trainer.callbacks[1] (phases: 2:4 runtime) are both SparsityCallback named 'sparsity': ...
+    """
+    seen: dict[str, tuple[int, SparsityCallback]] = {}
+    for index, cb in enumerate(callbacks):
+        if not isinstance(cb, SparsityCallback):
+            continue
+        if cb.name in seen:
+            first, other = seen[cb.name]
+            raise ValueError(
+                f"trainer.callbacks[{first}] ({_describe(other)}) and trainer.callbacks[{index}] "
+                f"({_describe(cb)}) are both SparsityCallback named {cb.name!r}: the name keys "
+                f"each group's logs and checkpoint state, so it must be unique. Give one a "
+                f"distinct name (init_args: {{name: {cb.name}_2}}, and disjoint params), or "
+                f"remove one (a sparsity overlay such as recipes/overlays/sparsity_24_70pct.yaml "
+                f"adds a callback to a base recipe that may already have one)"
+            )
+        seen[cb.name] = (index, cb)
+
+
+def _describe(cb: SparsityCallback) -> str:
+    """``params=..., phases: ...`` of a callback, for messages."""
+    params = "" if cb.params is None else f"params={cb.params!r}, "
+    return params + "phases: " + ", ".join(p.describe() for p in cb.phases)
 
 
 def _phase_number(sparsifier: Sparsifier) -> int:

@@ -16,13 +16,17 @@ class Record(L.Callback):
     """Per step: each layer's kept fraction and the sparsifier's last update step."""
 
     def __init__(self):
-        self.kept = {}
+        self.kept, self.masks = {}, {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        groups = [cb for cb in trainer.callbacks if isinstance(cb, SparsityCallback)]
+        self.masks[trainer.global_step] = {
+            cb.name: {n: m.clone() for n, m in (cb.sparsifier.masks or {}).items()}
+            for cb in groups
+        }
         self.kept[trainer.global_step] = {
-            cb.name: {n: int(m.sum()) for n, m in (cb.sparsifier.masks or {}).items()}
-            for cb in trainer.callbacks
-            if isinstance(cb, SparsityCallback)
+            name: {n: int(m.sum()) for n, m in masks.items()}
+            for name, masks in self.masks[trainer.global_step].items()
         }
 
 
@@ -549,3 +553,36 @@ def test_schedule_alone_is_the_current_forms_alias_of_sparsity():
         ValueError, match=r"sparsity.schedule.slope=nan is not a finite number"
     ):
         translate({**alias, "schedule": {**ramp, "slope": float("nan")}})
+
+
+def test_gmp_starting_late_chooses_its_first_mask_by_magnitude_as_cstorch():
+    """cstorch's GMP with ``update.start > 0`` keeps the weights dense (its schedule is 0 at
+    step 0) and chooses its first mask at ``start`` by its update rule, the top-k of ``|w|``,
+    whatever ``init_method`` says."""
+    config = {
+        "algorithm": "gmp",
+        "init_method": "random",
+        "sparsity": {"type": "linear", "init": 0.0, "slope": 0.1},
+        "update": {"freq": 2, "start": 3, "stop": 8},
+    }
+    (spec,) = translate(config)
+    assert spec["phases"][1]["init"] == "topk"
+
+    class WeightsAtStart(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:  # before the callback chooses the mask
+                self.weights = {
+                    n: p.detach().clone() for n, p in pl_module.named_parameters()
+                }
+
+    seen = WeightsAtStart()
+    callbacks = SparsityCallback.from_config(config, verbose=False)
+    _, record = train([seen, *callbacks], steps=6)
+    assert record.kept[2]["sparsity"] == {}, "dense until update.start"
+    masks = record.masks[3]["sparsity"]
+    for name, mask in masks.items():
+        weight = seen.weights[name].abs().flatten()
+        kept = num_kept(weight.numel(), 0.3)  # the schedule at step 3
+        top = torch.zeros_like(weight, dtype=torch.bool)
+        top[weight.topk(kept).indices] = True
+        assert torch.equal(mask.flatten(), top), name

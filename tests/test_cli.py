@@ -69,8 +69,9 @@ def test_fit_ends_with_the_phases_final_sparsity_metric_and_wall_time(
     assert "steps 0-6: phase 1: 2:4 runtime" in summary  # round(0.7 * 10) = 7
     assert "steps 7-9: phase 2: dense" in summary
     assert "final sparsity: 0.0% over 2 parameters" in summary  # fc1 and fc2, now dense
-    out = capsys.readouterr().out
-    end = out[out.index("Finished: 10 optimizer steps, 2 epochs in ") :]
+    # the end of the run, on the same stream as the callback's summary
+    end = summary[summary.index("Finished: 10 optimizer steps, 2 epochs in ") :]
+    assert "Finished" not in capsys.readouterr().out
     assert "wall time" in end.splitlines()[0]
     acc = float(end.split("val/acc: ")[1].split()[0])
     assert acc == pytest.approx(float(cli.trainer.callback_metrics["val/acc"]))
@@ -88,14 +89,15 @@ def test_validate_prints_the_metrics(tmp_path, capsys):
     assert "val/acc" in capsys.readouterr().out
 
 
-def test_plan_reports_the_vit_demo_and_writes_the_plot_next_to_the_config(
+def test_plan_reports_the_vit_demo_and_writes_the_plot_into_the_run_directory(
     tmp_path, capsys
 ):
-    recipe = tmp_path / "cpu_demo.yaml"
+    recipe = tmp_path / "recipes" / "cpu_demo.yaml"
+    recipe.parent.mkdir()
     shutil.copy(VIT_DEMO, recipe)
     cli = SparseCLI(args=["plan", f"--config={recipe}"])
     out = capsys.readouterr().out
-    assert cli.trainer.global_step == 0 and not (tmp_path / "runs").exists()
+    assert cli.trainer.global_step == 0
     # run length: 30 epochs x ceil(1437 / 32) = 45 steps, as the trainer will estimate it
     assert (
         "Run: 1350 optimizer steps: max_epochs=30 x 45 optimizer steps per epoch" in out
@@ -110,8 +112,8 @@ def test_plan_reports_the_vit_demo_and_writes_the_plot_next_to_the_config(
     assert "(66.5% of the model's trainable Linear FLOPs)" in out
     assert "skips 33.3% of the forward Linear FLOPs" in out
     assert "over the run: 23.3% of the trainable nn.Linear matmul FLOPs" in out
-    png = tmp_path / "cpu_demo_plan.png"
-    assert f"Schedule plot: {png}" in out
+    png = Path("runs/vit_cpu_demo/sparsity_plan.png")  # the recipe's default_root_dir
+    assert f"Schedule plot: {png}" in out and list(recipe.parent.iterdir()) == [recipe]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -273,12 +275,12 @@ def test_an_unquoted_nm_pattern_gets_an_error_that_says_to_quote_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_job_reaches_over_90_percent_in_minutes(tmp_path, capsys, monkeypatch):
+def test_main_job_reaches_over_90_percent_in_minutes(tmp_path, lightning_log, monkeypatch):
     """The README's first command, unchanged: ViT on digits, 2:4 for 70% then dense."""
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(2)
     main(["fit", f"--config={VIT_DEMO}"])
-    out = capsys.readouterr().out
+    out = lightning_log.text
     acc = float(out.split("val/acc: ")[1].split()[0])
     seconds = float(out.split("epochs in ")[1].split()[0])
     assert acc > 0.9 and seconds < 300 and not math.isnan(acc)

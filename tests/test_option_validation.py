@@ -181,6 +181,7 @@ CALLBACK_ARGS = {
     "log_every_n_steps": ANY,
     "verbose": ANY,
     "verify_speed": ANY,
+    "allow_skipped_layers": ANY,
 }
 
 

@@ -17,14 +17,15 @@ is resumed and its weights win. ``--export_to`` (``fit`` only) writes the traine
 compressed safetensors file (:func:`~lightning_sparse.save_compressed`) when ``fit`` ends.
 ``fit`` ends with the task metrics (the ``val*`` entries of ``trainer.callback_metrics``) and
 the wall time, after each ``SparsityCallback``'s summary (phases with their step ranges, final
-sparsity). ``plan`` is a dry run that works on any machine: it builds the model and a CPU
+sparsity), both through Lightning's rank-zero logger (one stream, as Lightning's own messages). ``plan`` is a dry run that works on any machine: it builds the model and a CPU
 trainer (never the configured accelerator, devices, strategy or loggers) and, only when the run
 length is counted in epochs, the data; it builds every ``SparsityCallback`` as fit start would,
 prints which parameters each group selects, their sparsity in each phase, the backend each would
 get (on this machine, or predicted for ``--gpu h100``) and why, and the theoretical FLOP savings
-(:mod:`lightning_sparse.cli.plan`), then writes a PNG of the schedule next to the (first)
-config, or to ``--plot_path``. A configuration error ends any subcommand with a short message,
-not a traceback.
+(:mod:`lightning_sparse.cli.plan`), then writes a PNG of the schedule into the run's directory
+(the trainer's ``default_root_dir``), or to ``--plot_path``. A configuration error ends any
+subcommand with a short message, not a traceback (two ``SparsityCallback`` of one ``name`` among
+them).
 
 Example:
     >>> sorted(SparseCLI.subcommands())
@@ -43,9 +44,11 @@ from typing import Any
 import lightning.pytorch as pl
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_sparse.backends.gpus import parse_gpu
+from lightning_sparse.callback import check_distinct_names
 from lightning_sparse.cli.plan import SchedulePlan, format_plan, plan_schedule
 from lightning_sparse.cli.plot import PLOT_HINT, plot_schedule
 from lightning_sparse.core.schedule import parse_boundary
@@ -72,16 +75,17 @@ class SparseTrainer(pl.Trainer):
         plot_path: str | None = None,
         gpu: str | None = None,
     ) -> SchedulePlan:
-        """Dry run of the sparsity schedule: print what each ``SparsityCallback`` would do in
-        ``fit`` (parameters, per-layer sparsity per phase, backend and why, FLOP savings)
-        without training, and plot the schedule.
+        """Dry run of the sparsity schedule: what fit would sparsify, where, and a plot.
+
+        Prints what each ``SparsityCallback`` would do in ``fit`` (parameters, per-layer
+        sparsity per phase, backend and why, FLOP savings) without training, and plots the
+        schedule.
 
         Args:
             model: the model ``fit`` would train.
             datamodule: its data (set up only if the run length is counted in epochs).
             plot: write a PNG of the schedule (needs matplotlib, ``lightning-sparse[plot]``).
-            plot_path: where; default ``<default_root_dir>/sparsity_plan.png`` (the command
-                line: next to the config).
+            plot_path: where; default ``<default_root_dir>/sparsity_plan.png``.
             gpu: predict each layer's backend for this GPU (``h100``, ``a100``, ``l4``,
                 ``sm80``, ...) instead of this machine.
         """
@@ -143,6 +147,13 @@ class SparseCLI(LightningCLI):
             sys.exit(f"lightning-sparse {self.subcommand}: {explain}")
         if without_data:
             self.datamodule = None
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """Build the trainer once its callbacks are checked: two ``SparsityCallback`` of one
+        ``name`` are named with the fix (Lightning would refuse them with a traceback)."""
+        callbacks = self.config_init[self.subcommand]["trainer"].get("callbacks") or []
+        check_distinct_names(callbacks if isinstance(callbacks, list) else [callbacks])
+        return super().instantiate_trainer(**kwargs)
 
     def _plan_here(self) -> bool:
         """Change the ``plan`` config so that it builds on any machine: a CPU trainer (the
@@ -224,8 +235,7 @@ class SparseCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 save_compressed(state, path)
-        if self.trainer.is_global_zero:
-            print(fit_summary(self.trainer, seconds))
+        rank_zero_info(fit_summary(self.trainer, seconds))
 
     def before_validate(self) -> None:
         if self.config["validate"].get("export_to"):
@@ -254,10 +264,8 @@ class SparseCLI(LightningCLI):
         plot_path: str | None = None,
         gpu: str | None = None,
     ) -> None:
-        """Run :meth:`SparseTrainer.plan`, the plot next to the config by default; a
-        configuration error ends the command with its message."""
-        if plot_path is None:
-            plot_path = self._plot_path_beside_config()
+        """Run :meth:`SparseTrainer.plan`; a configuration error ends the command with its
+        message."""
         try:
             print_plan(
                 self.trainer, model, datamodule, plot, plot_path, gpu, **self._assumed
@@ -266,15 +274,6 @@ class SparseCLI(LightningCLI):
             sys.exit(
                 f"lightning-sparse plan: {_plan_error(err, self._epoch_boundaries)}"
             )
-
-    def _plot_path_beside_config(self) -> str | None:
-        """``<config stems joined by +>_plan.png`` beside the first config; ``None`` without a
-        config (the trainer's default then)."""
-        configs = [Path(str(c)) for c in self.config["plan"].get("config") or []]
-        if not configs:
-            return None
-        stem = "+".join(c.stem for c in configs)
-        return str(configs[0].parent / f"{stem}_plan.png")
 
 
 def initial_weights(path: str, expected: dict[str, Tensor]) -> dict[str, Tensor]:

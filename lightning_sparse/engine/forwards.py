@@ -185,10 +185,11 @@ class LayerForwards:
         self.log(f"[{self.name}] {why}; it runs with masked dense math")
         uninstall_forward(t.module)
 
-    def verify(self, targets: Sequence[ParamTarget]) -> None:
+    def verify(self, targets: Sequence[ParamTarget], allow_skipped: bool = False) -> None:
         """After the first forwards since :meth:`install_all`: raise if a layer given a sparse
         forward did not run it (a model that reads the weight some other way would train and
-        evaluate it dense while the logs report it sparse)."""
+        evaluate it dense while the logs report it sparse); with ``allow_skipped`` (a model
+        that skips layers on purpose), log them instead."""
         if not self._unverified:
             return
         self._unverified = False
@@ -197,13 +198,19 @@ class LayerForwards:
             for t in targets
             if t.module.__dict__.get("_ls_ran") is False
         ]
-        if idle:
+        if idle and allow_skipped:
+            self.log(
+                f"[{self.name}] these parameters have a sparse forward that did not run in the "
+                f"first sparse step (allow_skipped_layers=True): {idle[:5]}"
+            )
+        elif idle:
             raise RuntimeError(
                 f"[{self.name}] these parameters have a sparse forward that did not run in the "
                 f"first sparse step: {idle[:5]}. The model reads them without calling their "
                 f"layer (e.g. a functional call on module.weight, or an unused layer), so they "
                 f"would stay dense; use a hard-mask algorithm ('static'), which stores the "
-                f"zeros in the weight, or exclude them"
+                f"zeros in the weight, or exclude them (a model that skips layers on purpose: "
+                f"SparsityCallback(allow_skipped_layers=True))"
             )
 
 

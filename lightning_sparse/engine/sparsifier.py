@@ -99,6 +99,8 @@ class Sparsifier:
             gathered from them (:mod:`~lightning_sparse.engine.input_norms`).
             :class:`~lightning_sparse.SparsityCallback` runs its ``training_step`` on the train
             loader.
+        allow_skipped_layers: a layer whose sparse forward did not run in the first sparse
+            step is logged, not an error (for models that skip layers on purpose).
 
     Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
     shards like the parameter (see :mod:`lightning_sparse.engine.sharding`); call every method on
@@ -117,8 +119,10 @@ class Sparsifier:
         verify_speed: bool = False,
         gpu: GpuTarget | None = None,
         calibration_forwards: Callable[[int, int], int] | None = None,
+        allow_skipped_layers: bool = False,
     ) -> None:
         self.name = name
+        self.allow_skipped_layers = allow_skipped_layers
         self.calibration_forwards = calibration_forwards
         self.targets = list(targets)
         self.phases = list(phases)
@@ -311,7 +315,7 @@ class Sparsifier:
         algo = self.algorithm
         if algo is None:
             return False
-        self.forwards.verify(self.targets)
+        self.forwards.verify(self.targets, self.allow_skipped_layers)
         decay = self.current.spec.decay if self.current is not None else None
         if decay and algo.straight_through:
             self.decay_gradients(optimizer, decay)

@@ -23,7 +23,8 @@ Three forms of a group translate (``docs/cerebras.md`` has an example of each):
 
 Translation: steps count optimizer steps; ``stop`` is exclusive, so the last update is the last
 ``start + j * freq`` below it, and evenly spaced update steps become that grid. ``start > 0``
-trains dense until ``start`` and chooses the first mask there (``init_method``). Without
+trains dense until ``start`` and chooses the first mask there (``init_method``; for ``gmp`` by
+magnitude, as cstorch's first update there does). Without
 ``stop``, ``set``/``rigl`` update until the end of the run; ``gmp`` needs ``stop``. A ``gmp``
 sparsity schedule is followed as cstorch evaluates it: the phase start and the ``j``-th update
 use its value there (a list or ``cycling`` takes ``values[j % len]``), clamped to [0, 1], and

@@ -1,8 +1,9 @@
 """Export: a plain state dict with the masks folded in.
 
 The result loads into the unmodified model with ``strict=True``: same keys, dense tensors with
-zeros where weights were pruned. Works on a live trainer (after or during ``fit``) or on a
-checkpoint (a path or a loaded dict) written with :class:`~lightning_sparse.SparsityCallback`.
+zeros where weights were pruned. Works on a live trainer (after or during ``fit``), on the
+LightningModule it trained, or on a checkpoint (a path or a loaded dict) written with
+:class:`~lightning_sparse.SparsityCallback`.
 
 A checkpoint file is read with ``torch.load(weights_only=True)``: tensors, containers and plain
 values only, never code (``trusted=True`` opts out, for files you trust). The sparsity state in it
@@ -125,6 +126,21 @@ def _group_masks(state: Any, where: str) -> dict[str, Tensor]:
     return dict(masks)
 
 
+def _trainer_of(model: pl.LightningModule) -> pl.Trainer:
+    """The trainer ``model`` is attached to, whose callbacks hold its masks."""
+    try:
+        trainer = model.trainer
+    except RuntimeError:  # Lightning's way of saying "not attached"
+        trainer = None
+    if trainer is None or trainer.lightning_module is not model:
+        raise ValueError(
+            f"export_state_dict({type(model).__name__}): the model is not attached to the "
+            f"Trainer that fit it, and the masks live in that trainer's SparsityCallback: pass "
+            f"the trainer (export_state_dict(trainer)) or a checkpoint it wrote"
+        )
+    return trainer
+
+
 def _check_fitted_here(trainer: pl.Trainer) -> None:
     """Raise if a sparsity callback of ``trainer`` has since been fit on another model: its
     masks are that model's now (a callback holds the engine of its latest fit)."""
@@ -192,7 +208,7 @@ def _unreadable(path: str | Path, err: Exception) -> str:
 
 
 def export_state_dict(
-    source: pl.Trainer | Mapping[str, Any] | str | Path,
+    source: pl.Trainer | pl.LightningModule | Mapping[str, Any] | str | Path,
     trusted: bool = False,
 ) -> dict[str, Tensor]:
     """The model's state dict with every sparsity group's masks folded in.
@@ -200,13 +216,18 @@ def export_state_dict(
     Args:
         source: a :class:`~lightning.pytorch.Trainer` that ran ``fit`` with sparsity callbacks
             (with sharded parameters, e.g. FSDP2, call it on every rank: weights are gathered),
-            a checkpoint dict, or a path to a checkpoint file.
+            the :class:`~lightning.pytorch.LightningModule` it trained (still attached to that
+            trainer, as after ``fit``), a checkpoint dict, or a path to a checkpoint file.
         trusted: for a path only: unpickle the file in full (``torch.load(weights_only=False)``).
             A pickle can run any code when it is loaded, so by default only tensors, containers
             and plain values are read, which is all a checkpoint of ``Trainer.fit`` with
             :class:`~lightning_sparse.SparsityCallback` holds. Pass ``True`` only for files whose
             writer you trust (e.g. a checkpoint whose ``hyper_parameters`` hold your own classes).
     """
+    if not isinstance(trusted, bool):
+        raise TypeError(f"export_state_dict(trusted={trusted!r}): use True or False")
+    if isinstance(source, pl.LightningModule):
+        source = _trainer_of(source)
     if isinstance(source, pl.Trainer):
         _check_fitted_here(source)
         # found by state key, as in a checkpoint: export sits below the callback
@@ -216,6 +237,12 @@ def export_state_dict(
         # sharded (FSDP2) weights are gathered: a collective, so call this on every rank
         state = {k: gather_full(v.detach()) for k, v in module_state.items()}
         return fold_masks(state, masks)
+    if not isinstance(source, (Mapping, str, Path)):
+        raise TypeError(
+            f"export_state_dict(source=...) takes a Trainer that ran fit, the LightningModule "
+            f"it trained, a checkpoint dict or the path of a checkpoint file; got a "
+            f"{type(source).__name__}"
+        )
     where = "the checkpoint"
     if isinstance(source, (str, Path)):
         where = str(source)
