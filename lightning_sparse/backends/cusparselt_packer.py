@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes whose layout is known (int8 and float8 lay theirs out otherwise, not measured)."""
 MULTIPLE = 128
 """Both dimensions must be multiples of this: the shapes whose layout was measured."""
 
@@ -73,7 +74,7 @@ class Packing:
 
     def compress(self, weight: Tensor) -> Tensor:
         """``weight`` compressed at the mask's positions: its values there, zeros where a group
-        keeps fewer than 2, and the mask's metadata (2 kernels for values, 1 copy).
+        keeps fewer than 2, and the mask's metadata.
 
         Equals ``compress(weight * keep)`` where the mask keeps no exact zeros of ``weight``;
         where it does, only the padding may differ (which zero is stored where), never the
@@ -92,17 +93,10 @@ class Packing:
                 f"weight of shape {tuple(weight.shape)} for a packing of shape {self.shape}; "
                 f"build the packing from this weight's mask"
             )
-        n, k = self.shape
-        out = weight.new_empty((n, k * 9 // 16))
-        # 16-bit integer views copy the values' bits as they are (and gather faster on the CPU)
-        flat = out.view(-1).view(torch.int16)
-        groups = weight.contiguous().view(torch.int16).view(-1, 4)
-        pairs, padded, _ = _tables(self.keys.device)
-        keys = self.keys.view(-1)
-        values = flat[: n * k // 2].view(-1, 2)
-        torch.gather(groups, 1, pairs.index_select(0, keys), out=values)
-        values.masked_fill_(padded.index_select(0, keys), 0)
-        flat[n * k // 2 :].view(torch.uint8).copy_(self.metadata)
+        out = weight.new_empty((self.shape[0], self.shape[1] * 9 // 16))
+        values, metadata = _regions(out)
+        _gather_values(weight, self.keys, values)
+        metadata.copy_(self.metadata)
         return out
 
 
@@ -118,17 +112,8 @@ def packing(keep: Tensor) -> Packing:
     """
     if keep.dtype != torch.bool:
         raise TypeError(f"keep has dtype {keep.dtype}; pass a bool mask (True = kept)")
-    _check_shape(tuple(keep.shape), "keep")
-    n, k = keep.shape
-    # (n, k/4) int32: a group's 4 bool bytes read as one number
-    keys = keep.contiguous().view(torch.uint8).view(torch.int32) % _KEYS
-    _, _, bytes_of = _tables(keep.device)
-    # a metadata byte holds two nibbles, b = 0 (low) and b = 1: one pair of keys each
-    pairs = _to_nibble_order(keys).view(-1, 2)
-    metadata = bytes_of.index_select(
-        0, torch.add(pairs[:, 0], pairs[:, 1], alpha=_KEYS)
-    )
-    return Packing((n, k), keys, metadata)
+    keys = _keys(keep)
+    return Packing(tuple(keep.shape), keys, _metadata(keys))
 
 
 def compress(w24: Tensor) -> Tensor:
@@ -146,7 +131,12 @@ def compress(w24: Tensor) -> Tensor:
         [1.0, -1.0, 1.0, -1.0]
     """
     _check(w24, "w24")
-    return packing(w24 != 0).compress(w24)
+    keys = _keys(w24 != 0)
+    out = w24.new_empty((w24.shape[0], w24.shape[1] * 9 // 16))
+    values, metadata = _regions(out)
+    _gather_values(w24, keys, values)
+    _metadata(keys, out=metadata)
+    return out
 
 
 def unpack(compressed: Tensor, shape: Sequence[int]) -> Tensor:
@@ -177,6 +167,38 @@ def unpack(compressed: Tensor, shape: Sequence[int]) -> Tensor:
     dense = flat.new_zeros((n * k // 4, 4))
     dense.scatter_(1, positions, flat[: n * k // 2].view(-1, 2))
     return dense.view(n, k)
+
+
+def _keys(keep: Tensor) -> Tensor:
+    """``(n, k/4)`` int32: each group's pattern in a bool mask, as a key of the tables."""
+    _check_shape(tuple(keep.shape), "keep")
+    # a group's 4 bool bytes read as one int32
+    return keep.contiguous().view(torch.uint8).view(torch.int32) % _KEYS
+
+
+def _metadata(keys: Tensor, out: Tensor | None = None) -> Tensor:
+    """The metadata bytes of the groups with these keys (into ``out`` when given)."""
+    # a byte holds two nibbles, b = 0 (low) and b = 1: one pair of keys each
+    pairs = _to_nibble_order(keys).view(-1, 2)
+    byte_keys = torch.add(pairs[:, 0], pairs[:, 1], alpha=_KEYS)
+    return torch.index_select(_tables(keys.device)[2], 0, byte_keys, out=out)
+
+
+def _gather_values(weight: Tensor, keys: Tensor, out: Tensor) -> None:
+    """Each group's two stored values into ``out`` (int16, two per group), padding as +0."""
+    pairs, padded, _ = _tables(keys.device)
+    keys = keys.view(-1)
+    # 16-bit integer views copy the values' bits as they are (and gather faster on the CPU)
+    groups = weight.contiguous().view(torch.int16).view(-1, 4)
+    torch.gather(groups, 1, pairs.index_select(0, keys), out=out)
+    out.masked_fill_(padded.index_select(0, keys), 0)
+
+
+def _regions(compressed: Tensor) -> tuple[Tensor, Tensor]:
+    """The values (int16, two per group) and metadata (uint8) regions of ``compressed``."""
+    flat = compressed.view(-1).view(torch.int16)
+    values = flat[: flat.numel() * 8 // 9]
+    return values.view(-1, 2), flat[values.numel() :].view(torch.uint8)
 
 
 def _to_nibble_order(groups: Tensor) -> Tensor:
