@@ -181,12 +181,12 @@ def _metadata(keys: Tensor, out: Tensor | None = None) -> Tensor:
     # a byte holds two nibbles, b = 0 (low) and b = 1: one pair of keys each
     pairs = _to_nibble_order(keys).view(-1, 2)
     byte_keys = torch.add(pairs[:, 0], pairs[:, 1], alpha=_KEYS)
-    return torch.index_select(_tables(keys.device)[2], 0, byte_keys, out=out)
+    return torch.index_select(_tables(keys)[2], 0, byte_keys, out=out)
 
 
 def _gather_values(weight: Tensor, keys: Tensor, out: Tensor) -> None:
     """Each group's two stored values into ``out`` (int16, two per group), padding as +0."""
-    pairs, padded, _ = _tables(keys.device)
+    pairs, padded, _ = _tables(keys)
     keys = keys.view(-1)
     # 16-bit integer views copy the values' bits as they are (and gather faster on the CPU)
     groups = weight.contiguous().view(torch.int16).view(-1, 4)
@@ -224,25 +224,42 @@ def _stored_positions(kept: Sequence[bool]) -> tuple[list[int], list[bool]]:
     return stored, [p in padding for p in stored]
 
 
-@functools.cache
-def _tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """Per key: the 2 stored positions (int64), which are padding (bool); per pair of keys
-    ``(a, b)`` at ``a + 18 b``: the metadata byte of the two groups (uint8)."""
-    patterns = torch.tensor(list(itertools.product((False, True), repeat=4)))
-    keys = (patterns.view(torch.uint8).view(torch.int32) % _KEYS).view(-1).tolist()
-    pairs = torch.zeros(_KEYS, 2, dtype=torch.int64)
-    padded = torch.zeros(_KEYS, 2, dtype=torch.bool)
-    nibble = [0] * _KEYS
-    for key, kept in zip(keys, patterns.tolist()):
-        stored, padding = _stored_positions(kept)
-        pairs[key] = torch.tensor(stored)
-        padded[key] = torch.tensor(padding)
-        nibble[key] = stored[0] | stored[1] << 2
-    bytes_of = torch.tensor(
-        [nibble[a] | nibble[b] << 4 for b in range(_KEYS) for a in range(_KEYS)],
-        dtype=torch.uint8,
+def _table_rows() -> tuple[list[list[int]], list[list[bool]], list[int]]:
+    """Per key: the 2 stored positions and which are padding; per pair of keys ``(a, b)`` at
+    ``a + 18 b``: the metadata byte of the two groups."""
+    pairs, padded, nibbles = [[0, 0]] * _KEYS, [[False, False]] * _KEYS, [0] * _KEYS
+    for kept in itertools.product((False, True), repeat=4):
+        # the int32 that _keys reads from 4 bool bytes: little-endian on every torch device
+        key = int.from_bytes(bytes(kept), "little") % _KEYS
+        pairs[key], padded[key] = _stored_positions(kept)
+        nibbles[key] = pairs[key][0] | pairs[key][1] << 2
+    pair_bytes = [
+        nibbles[a] | nibbles[b] << 4 for b in range(_KEYS) for a in range(_KEYS)
+    ]
+    return pairs, padded, pair_bytes
+
+
+_TABLE_ROWS = _table_rows()
+
+
+def _tables(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The tables on ``like``'s device: cached for a plain tensor in eager mode; built afresh
+    while tracing (fake tensors need fake tables, and a compiled graph holds them as constants)."""
+    if type(like) is Tensor and not torch.compiler.is_compiling():
+        return _cached_tables(like.device)
+    return _build_tables(like.device)
+
+
+def _build_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    pairs, padded, pair_bytes = _TABLE_ROWS
+    return (
+        torch.tensor(pairs, dtype=torch.int64, device=device),
+        torch.tensor(padded, dtype=torch.bool, device=device),
+        torch.tensor(pair_bytes, dtype=torch.uint8, device=device),
     )
-    return pairs.to(device), padded.to(device), bytes_of.to(device)
+
+
+_cached_tables = functools.cache(_build_tables)
 
 
 def _check(weight: Tensor, name: str) -> None:
