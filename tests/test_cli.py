@@ -275,7 +275,9 @@ def test_an_unquoted_nm_pattern_gets_an_error_that_says_to_quote_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_job_reaches_over_90_percent_in_minutes(tmp_path, lightning_log, monkeypatch):
+def test_main_job_reaches_over_90_percent_in_minutes(
+    tmp_path, lightning_log, monkeypatch
+):
     """The README's first command, unchanged: ViT on digits, 2:4 for 70% then dense."""
     monkeypatch.chdir(tmp_path)
     torch.set_num_threads(2)

@@ -49,9 +49,14 @@ def test_export_takes_the_trained_lightning_module():
 
 
 def test_export_names_what_it_takes():
-    with pytest.raises(ValueError, match=r"not attached to the Trainer.*export_state_dict\(trainer\)"):
+    with pytest.raises(
+        ValueError, match=r"not attached to the Trainer.*export_state_dict\(trainer\)"
+    ):
         export_state_dict(TinyModule())  # never fit: no trainer holds its masks
-    with pytest.raises(TypeError, match=r"source=.*Trainer that ran fit, the LightningModule.*got a Linear"):
+    with pytest.raises(
+        TypeError,
+        match=r"source=.*Trainer that ran fit, the LightningModule.*got a Linear",
+    ):
         export_state_dict(nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"trusted='yes'\): use True or False"):
         export_state_dict({"state_dict": {}}, trusted="yes")
@@ -60,13 +65,19 @@ def test_export_names_what_it_takes():
 def test_two_callbacks_of_one_name_are_named_with_the_fix():
     with pytest.raises(ValueError) as err:
         check_distinct_names(
-            [SparsityCallback(sparsity=0.5), L.Callback(), SparsityCallback(sparsity="2:4")]
+            [
+                SparsityCallback(sparsity=0.5),
+                L.Callback(),
+                SparsityCallback(sparsity="2:4"),
+            ]
         )
     message = str(err.value)
     assert "trainer.callbacks[0] (phases: 50% static)" in message
     assert "trainer.callbacks[2] (phases: 2:4 runtime)" in message
     assert "distinct name" in message and "or remove one" in message
-    check_distinct_names([SparsityCallback(sparsity=0.5), SparsityCallback(sparsity=0.5, name="b")])
+    check_distinct_names(
+        [SparsityCallback(sparsity=0.5), SparsityCallback(sparsity=0.5, name="b")]
+    )
 
 
 @pytest.mark.parametrize("subcommand", ["fit", "plan"])
@@ -75,13 +86,17 @@ def test_the_overlay_on_a_recipe_with_a_callback_ends_with_a_message(
 ):
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
     base = RECIPES / "vit" / "cpu_demo.yaml"
-    assert yaml.safe_load(base.read_text())["trainer"]["callbacks"]  # it has one already
+    assert yaml.safe_load(base.read_text())["trainer"][
+        "callbacks"
+    ]  # it has one already
     args = [subcommand, f"--config={base}", f"--config={OVERLAY}"]
     args += [f"--trainer.default_root_dir={tmp_path}"]
     with pytest.raises(SystemExit) as err:
         SparseCLI(args=args)
     message = str(err.value)
-    assert message.startswith(f"lightning-sparse {subcommand}: trainer.callbacks[0] (params=")
+    assert message.startswith(
+        f"lightning-sparse {subcommand}: trainer.callbacks[0] (params="
+    )
     assert "trainer.callbacks[1] (phases: 2:4 runtime, dense)" in message
     assert "named 'sparsity'" in message and "distinct name" in message
     assert "recipes/overlays/sparsity_24_70pct.yaml" in message
@@ -122,7 +137,9 @@ def test_nested_tensor_fast_path_computes_with_the_sparse_weights(params):
     fast_trainer(max_steps=2, callbacks=[cb]).fit(model, data)
     sparse, dense = NestedEncoder(), NestedEncoder()
     sparse.load_state_dict(export_state_dict(model))  # the sparse weights, stored
-    dense.load_state_dict(model.state_dict())  # the dense weights straight-through keeps
+    dense.load_state_dict(
+        model.state_dict()
+    )  # the dense weights straight-through keeps
     x = torch.randn(3, 5, 32)
     pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 4 + [True]])
     for m in (model, sparse, dense):
@@ -165,7 +182,10 @@ def test_a_layer_skipped_on_purpose_needs_allow_skipped_layers(lightning_log):
     model = SkipsALayer()
     cb = SparsityCallback(sparsity="2:4", verbose=False, allow_skipped_layers=True)
     fast_trainer(max_steps=3, callbacks=[cb]).fit(model, data)
-    assert "(allow_skipped_layers=True): ['extra.weight (extra, MaskedLinear)']" in lightning_log.text
+    assert (
+        "(allow_skipped_layers=True): ['extra.weight (extra, MaskedLinear)']"
+        in lightning_log.text
+    )
     x = torch.randn(2, 8)
     weight = model.extra.sparse_weight(torch.float32)  # when it runs, it runs sparse
     assert bool(((weight != 0).reshape(8, -1, 4).sum(-1) <= 2).all())

@@ -140,8 +140,13 @@ def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):
     )
     assert "at peak rates" in out
     # what decides on the GPU, and what 2:4 kernels did on an H100, not a range from elsewhere
-    assert "Fit start decides on the GPU itself: a kernel check runs a small 2:4 matmul" in out
-    assert "0.15-0.24x dense per layer in eager training" in out and "1.1-1.4x" not in out
+    assert (
+        "Fit start decides on the GPU itself: a kernel check runs a small 2:4 matmul"
+        in out
+    )
+    assert (
+        "0.15-0.24x dense per layer in eager training" in out and "1.1-1.4x" not in out
+    )
 
 
 def test_plan_for_a_target_gpu_says_why_a_shape_stays_masked(tmp_path, capsys):

@@ -85,6 +85,8 @@ def choose_backend(
         verdict = check_kernel(kernel, compute_dtype or weight.dtype, weight.device)
         if not verdict.passed:
             return BackendChoice("masked", f"{verdict.reason}: running masked math")
+        if verdict.note:
+            why = f"{why}, {verdict.note}"
     if speedup is not None:
         measured = speedup(weight, kernel, compute_dtype or weight.dtype)
         if measured.error > TOLERANCE:
@@ -101,6 +103,8 @@ def choose_backend(
                 f"{why}: sparse {ratio:.2f}x dense, so kept dense (verify_speed)",
             )
         why = f"{why}, {ratio:.2f}x dense"
+        if measured.algorithm:
+            why = f"{why} ({measured.algorithm})"
     return BackendChoice("semi_structured", why, kernel)
 
 

@@ -3,10 +3,16 @@
 - ``lightning_sparse::prune_24(weight)``: ``weight`` times its greedy transposable 2:4 mask
   (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`: torch's tile kernel on CUDA), with
   a straight-through gradient.
-- ``lightning_sparse::linear_24(x, w24, bias)``: packs ``w24`` with ``torch._cslt_compress``
-  (the layout cuSPARSELt itself writes) and runs ``torch._cslt_sparse_mm``; its backward packs
-  ``w24.T`` for the input gradient ``grad @ W24`` (``lightning_sparse::linear_24_input_grad``)
-  and computes the weight gradient ``grad.T @ x`` densely (straight-through to the weight).
+- ``lightning_sparse::linear_24(x, w24, bias)``: packs ``w24`` (:func:`pack`) and runs
+  ``torch._cslt_sparse_mm`` with the algorithm searched for its shape
+  (:mod:`~lightning_sparse.backends.cusparselt_algorithms`); its backward packs ``w24.T`` for
+  the input gradient ``grad @ W24`` (``lightning_sparse::linear_24_input_grad``) and computes
+  the weight gradient ``grad.T @ x`` densely (straight-through to the weight).
+
+Packing uses our packer (:mod:`~lightning_sparse.backends.cusparselt_packer`, at memory speed)
+where its bytes equal those of cuSPARSELt's own ``torch._cslt_compress`` on the running GPU
+(compared once per process, dtype and device, on weights with padded groups and negative
+zeros), and ``torch._cslt_compress`` everywhere else; a difference warns once.
 
 Being custom ops with fake implementations, they are single nodes that ``torch.compile``
 traces (and CUDA graphs capture) without looking inside. Each run first asks
@@ -25,12 +31,20 @@ Example (shapes only, on fake CUDA tensors):
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
-from lightning_sparse.backends.kernel_check import require_kernel
+from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
+from lightning_sparse.backends.cusparselt_packer import compress, supports
+from lightning_sparse.backends.kernel_check import (
+    known_values,
+    require_kernel,
+    versions,
+)
 from lightning_sparse.backends.masked import straight_through_mask
-from lightning_sparse.masks.tiles import greedy_2to4_mask
+from lightning_sparse.masks.tiles import greedy_2to4_mask, transposable_2to4_mask
 
 KERNEL = "cusparselt"
 
@@ -55,13 +69,79 @@ prune_24.register_autograd(_straight_through)
 
 def pack(w24: Tensor) -> Tensor:
     """``w24`` (row-major, 2:4 along rows) in cuSPARSELt's compressed layout."""
+    if supports(w24.shape, w24.dtype) and packer_matches(w24.dtype, w24.device):
+        return compress(w24)
     return torch._cslt_compress(w24)
+
+
+_PACKER_MATCHES: dict[tuple[torch.dtype, torch.device], bool] = {}
+
+
+def packer_matches(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether our packer writes the bytes of ``torch._cslt_compress`` on ``device`` in
+    ``dtype`` (compared once; while a CUDA graph is captured, unknown counts as no)."""
+    key = (dtype, device)
+    if key not in _PACKER_MATCHES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        _PACKER_MATCHES[key] = _compare_packers(dtype, device)
+    return _PACKER_MATCHES[key]
+
+
+def packer_note(dtype: torch.dtype, device: torch.device) -> str:
+    """Which packer this process uses, for the fit-start table (nothing off a GPU)."""
+    if device.type != "cuda":
+        return ""
+    if packer_matches(dtype, device):
+        return "packed by lightning_sparse"
+    return "packed by torch._cslt_compress"
+
+
+def _compare_packers(dtype: torch.dtype, device: torch.device) -> bool:
+    weight = known_values(128, 256)
+    w24 = weight * transposable_2to4_mask(weight)
+    w24[:8, :8] = 0.0  # groups keeping 1 or none: padded
+    w24[8, 1] = -0.0  # a pruned negative weight, as weight * mask leaves it
+    w24 = w24.to(device, dtype)
+    ours = [compress(w) for w in (w24, w24.t().contiguous())]
+    theirs = [torch._cslt_compress(w) for w in (w24, w24.t().contiguous())]
+    same = all(
+        a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for a, b in zip(ours, theirs)
+    )
+    if not same:
+        warnings.warn(
+            f"lightning_sparse's cuSPARSELt packer does not write the bytes of "
+            f"torch._cslt_compress on {versions(device)}: 2:4 weights are packed by "
+            f"torch._cslt_compress (correct, slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return same
+
+
+_MM_ARGUMENTS = {
+    arg.name for arg in torch.ops.aten._cslt_sparse_mm.default._schema.arguments
+}
 
 
 def _sparse_mm(w24: Tensor, dense: Tensor, bias: Tensor | None) -> Tensor:
     """``dense @ w24.T + bias`` for a row-major ``dense`` of shape ``(tokens, in)``."""
     require_kernel(KERNEL, w24.dtype, w24.device)
-    return torch._cslt_sparse_mm(pack(w24), dense.t(), bias, transpose_result=True)
+    packed, dense_t = pack(w24), dense.t()
+    algorithm = ALGORITHMS.choose(packed, dense_t, bias, out_features=w24.shape[0])
+    options = {
+        "alg_id": algorithm.alg_id,
+        "split_k": algorithm.split_k,
+        "split_k_mode": algorithm.split_k_mode,
+    }
+    return torch._cslt_sparse_mm(
+        packed,
+        dense_t,
+        bias,
+        transpose_result=True,
+        **{name: value for name, value in options.items() if name in _MM_ARGUMENTS},
+    )
 
 
 @torch.library.custom_op("lightning_sparse::linear_24", mutates_args=())
@@ -102,6 +182,24 @@ def _backward(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def]
 
 
 linear_24.register_autograd(_backward, setup_context=_setup)
+
+
+def _setup_input_grad(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    grad, w24 = inputs
+    ctx.save_for_backward(grad, w24)
+
+
+def _backward_input_grad(ctx, grad_out: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    grad, w24 = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_grad = linear_24(grad_out, w24, None) if ctx.needs_input_grad[0] else None
+    grad_w = grad.t() @ grad_out if ctx.needs_input_grad[1] else None
+    return grad_grad, grad_w
+
+
+linear_24_input_grad.register_autograd(
+    _backward_input_grad, setup_context=_setup_input_grad
+)
 
 
 def cusparselt_linear(

@@ -55,14 +55,16 @@ _ROWS, _COLS, _TOKENS = 128, 256, 64  # multiples of 128: every 2:4 kernel takes
 @dataclass(frozen=True)
 class KernelVerdict:
     """The result of :func:`check_kernel`: passed or not, the largest relative error of the
-    output and gradients (``None`` when the kernel raised), and what was found, in one line
+    output and gradients (``None`` when the kernel raised), what was found, in one line
     (e.g. "cuSPARSELt on sm90 (torch 2.11.0, cuSPARSELt 0.8.0), bfloat16 gave wrong results
-    in the kernel check (relative error 1.1)")."""
+    in the kernel check (relative error 1.1)"), and for a kernel that passed, what its
+    ``describe`` says of how it runs here (e.g. which packer)."""
 
     kernel: str
     passed: bool
     error: float | None
     reason: str
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class _Kernel:
     label: str
     prunes: bool
     trains: bool
+    describe: Callable[[torch.dtype, torch.device], str] | None
 
 
 _KERNELS: dict[str, _Kernel] = {}
@@ -83,12 +86,18 @@ class KernelCheckError(RuntimeError):
 
 
 def register_kernel(
-    name: str, linear: Linear24, label: str, prunes: bool = True, trains: bool = True
+    name: str,
+    linear: Linear24,
+    label: str,
+    prunes: bool = True,
+    trains: bool = True,
+    describe: Callable[[torch.dtype, torch.device], str] | None = None,
 ) -> None:
     """Make ``linear`` the kernel ``name`` that :func:`check_kernel` runs. ``label`` names
     it in messages (e.g. ``"cuSPARSELt"``); ``prunes=False``: it is given a 2:4 weight;
-    ``trains=False``: only its forward is checked (inference)."""
-    _KERNELS[name] = _Kernel(linear, label, prunes, trains)
+    ``trains=False``: only its forward is checked (inference); ``describe(dtype, device)``
+    says, after a passed check, how it runs there (the verdict's ``note``)."""
+    _KERNELS[name] = _Kernel(linear, label, prunes, trains, describe)
     for key in [key for key in _VERDICTS if key[0] == name]:
         del _VERDICTS[key]
 
@@ -211,7 +220,10 @@ def _run_check(
         )
     error = max(relative_error(g.detach().cpu(), r) for g, r in zip(got, reference))
     if error <= TOLERANCE:
-        return KernelVerdict(name, True, error, f"{where} passed the kernel check")
+        note = kernel.describe(dtype, device) if kernel.describe else ""
+        return KernelVerdict(
+            name, True, error, f"{where} passed the kernel check", note
+        )
     return KernelVerdict(
         name,
         False,

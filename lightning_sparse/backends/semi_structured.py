@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from torch.sparse import to_sparse_semi_structured
 
 from lightning_sparse.backends.capability import HALF_DTYPES
-from lightning_sparse.backends.cusparselt import cusparselt_linear
+from lightning_sparse.backends.cusparselt import cusparselt_linear, packer_note
 from lightning_sparse.backends.cutlass import cutlass_linear
 from lightning_sparse.backends.kernel_check import register_kernel, require_kernel
 from lightning_sparse.backends.masked import (
@@ -122,8 +122,13 @@ def _checked_linear(kernel: str) -> Callable[[Tensor, Tensor, Tensor | None], Te
     return lambda x, weight, bias: semi_structured_linear(x, weight, bias, kernel)
 
 
-for _kernel, _label in LABELS.items():
-    register_kernel(_kernel, _checked_linear(_kernel), label=_label)
+register_kernel(
+    "cusparselt",
+    _checked_linear("cusparselt"),
+    label=LABELS["cusparselt"],
+    describe=packer_note,
+)
+register_kernel("cutlass", _checked_linear("cutlass"), label=LABELS["cutlass"])
 
 INFERENCE = "semi_structured_tensor"
 """The kernel check's name for torch's ``to_sparse_semi_structured`` tensors (inference)."""

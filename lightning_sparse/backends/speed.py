@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
 from lightning_sparse.backends.kernel_check import known_values, relative_error
 from lightning_sparse.backends.semi_structured import semi_structured_linear
 from lightning_sparse.masks.tiles import transposable_2to4_mask
@@ -37,11 +38,12 @@ _ROUNDS, _CALLS, _WARMUP = 3, 5, 3
 
 @dataclass(frozen=True)
 class SpeedMeasurement:
-    """Dense time / sparse time of one layer shape, and the sparse output's relative error
-    against dense math on the same 2:4 weight."""
+    """Dense time / sparse time of one layer shape, the sparse output's relative error
+    against dense math on the same 2:4 weight, and the cuSPARSELt algorithms it ran."""
 
     ratio: float
     error: float
+    algorithm: str = ""
 
 
 def measure_speedup(
@@ -69,7 +71,11 @@ def measure_speedup(
         out = semi_structured_linear(x, weight, None, kernel)
         w24 = weight * transposable_2to4_mask(weight)
         error = relative_error(out, F.linear(x, w24))
-    return SpeedMeasurement(_seconds(dense, device) / _seconds(sparse, device), error)
+    ratio = _seconds(dense, device) / _seconds(sparse, device)
+    algorithm = (
+        ALGORITHMS.describe(out_features, in_features) if kernel == "cusparselt" else ""
+    )
+    return SpeedMeasurement(ratio, error, algorithm)
 
 
 def _seconds(step: Callable[[], None], device: torch.device) -> float:

@@ -92,6 +92,8 @@ def plot_schedule(plan: SchedulePlan, path: str | os.PathLike[str]) -> None:
     axes.set_title(f"Sparsity schedule ({plan.run_description.split(':')[0]})")
     axes.legend(loc="upper right", fontsize=8)
     figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)  # the run's directory, before the run
+    Path(path).parent.mkdir(
+        parents=True, exist_ok=True
+    )  # the run's directory, before the run
     figure.savefig(path, dpi=120)
     plt.close(figure)

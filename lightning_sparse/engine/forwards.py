@@ -185,7 +185,9 @@ class LayerForwards:
         self.log(f"[{self.name}] {why}; it runs with masked dense math")
         uninstall_forward(t.module)
 
-    def verify(self, targets: Sequence[ParamTarget], allow_skipped: bool = False) -> None:
+    def verify(
+        self, targets: Sequence[ParamTarget], allow_skipped: bool = False
+    ) -> None:
         """After the first forwards since :meth:`install_all`: raise if a layer given a sparse
         forward did not run it (a model that reads the weight some other way would train and
         evaluate it dense while the logs report it sparse); with ``allow_skipped`` (a model

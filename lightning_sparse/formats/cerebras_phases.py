@@ -80,7 +80,9 @@ def group_phases(group: Group) -> list[dict[str, Any]]:
     }
     if start:
         phase["update_start"] = start
-        if algorithm == "gmp":  # cstorch's first mask there is its first update: by magnitude
+        if (
+            algorithm == "gmp"
+        ):  # cstorch's first mask there is its first update: by magnitude
             phase["init"] = "topk"
     phase["update_stop"] = 1.0 if last is None else last
     if algorithm != "gmp":
