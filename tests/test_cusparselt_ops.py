@@ -120,7 +120,7 @@ def test_verify_speed_names_the_searched_algorithm(monkeypatch):
     pretend_gpu(monkeypatch, (9, 0))
     layer = nn.Linear(1024, 4096)
     owners = [("fc", layer, "weight")]
-    fast = lambda weight, kernel, dtype: SpeedMeasurement(1.3, 0.001, "alg 17")  # noqa: E731
+    fast = lambda weight, kernel, dtype: SpeedMeasurement(1.3, 0.001, "alg 17")
     choice = choose_backend(
         "auto", NM(2, 4), layer.weight, owners, torch.bfloat16, fast
     )
