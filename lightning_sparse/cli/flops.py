@@ -16,7 +16,7 @@ What is counted, and what is not:
 
 This is what a kernel that skips every zero would save in the forward pass. The ``masked``
 backend computes dense math and saves nothing; 2:4 sparse tensor cores run at most 2x the dense
-rate (what they reached where measured: ``docs/benchmarks.md``). In the backward pass, 2:4 kernels with transposable masks
+rate (what they reached where measured: ``docs/hopper.md``). In the backward pass, 2:4 kernels with transposable masks
 can also run the input-gradient matmul sparse; the weight-gradient matmul stays dense.
 
 Example:

@@ -55,7 +55,7 @@ MEASURED_2TO4 = (
     "measured on an H100 with torch 2.11 and cuSPARSELt 0.8: 0.15-0.24x dense per layer in "
     "eager training, where verify_speed kept every layer dense; 1.17-1.79x for a prepacked "
     "forward with the searched cuSPARSELt algorithm, replayed as a CUDA graph; see "
-    "docs/benchmarks.md"
+    "docs/hopper.md"
 )
 """What 2:4 kernels have done, quoted wherever the plan mentions their speed."""
 
