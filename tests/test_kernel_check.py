@@ -4,6 +4,9 @@ runs a kernel that has not passed it in this process."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -23,6 +26,7 @@ from lightning_sparse.backends.kernel_check import (
     forget_verdicts,
 )
 from lightning_sparse.backends.masked import project_eagerly, straight_through_mask
+from lightning_sparse.cli.main import SparseCLI
 from lightning_sparse.masks.tiles import (
     greedy_2to4_mask,
     tile_kernel_takes,
@@ -276,3 +280,15 @@ def test_projections_see_the_matmul_dtype_on_a_gpu_and_the_stored_weight_on_the_
         ("cuda", torch.bfloat16),
         ("cuda", torch.float32),
     ]
+
+
+def test_plan_predicts_without_running_a_kernel_or_its_check(
+    inject, monkeypatch, tmp_path
+):
+    calls = inject(right)
+    monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
+    recipe = Path(__file__).parents[1] / "recipes" / "gpt" / "gpt2_24_70pct.yaml"
+    args = ["plan", f"--config={recipe}", f"--plot_path={tmp_path / 'plan.png'}"]
+    with torch.device("meta"):  # as the CLI builds full-scale recipes
+        SparseCLI(args=args)
+    assert calls == [] and kernel_check._VERDICTS == {}

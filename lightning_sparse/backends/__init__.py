@@ -81,12 +81,13 @@ def choose_backend(
     kernel, why = semi_structured_kernel(weight, owners, compute_dtype, gpu)
     if kernel is None:
         return BackendChoice("masked", why)
-    if gpu is None and not weight.is_meta:  # a kernel to run here must pass the check
-        verdict = check_kernel(kernel, compute_dtype or weight.dtype, weight.device)
-        if not verdict.passed:
-            return BackendChoice("masked", f"{verdict.reason}: running masked math")
-        if verdict.note:
-            why = f"{why}, {verdict.note}"
+    if gpu is not None or weight.is_meta:  # a plan's prediction: nothing runs
+        return BackendChoice("semi_structured", why, kernel)
+    verdict = check_kernel(kernel, compute_dtype or weight.dtype, weight.device)
+    if not verdict.passed:
+        return BackendChoice("masked", f"{verdict.reason}: running masked math")
+    if verdict.note:
+        why = f"{why}, {verdict.note}"
     if speedup is not None:
         measured = speedup(weight, kernel, compute_dtype or weight.dtype)
         if measured.error > TOLERANCE:
