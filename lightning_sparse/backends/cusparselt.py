@@ -34,6 +34,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
@@ -125,9 +126,16 @@ _MM_ARGUMENTS = {
 }
 
 
+_TOKENS_MULTIPLE = 8  # cuSPARSELt's 16-bit dense operands: rows padded as torch pads them
+
+
 def _sparse_mm(w24: Tensor, dense: Tensor, bias: Tensor | None) -> Tensor:
     """``dense @ w24.T + bias`` for a row-major ``dense`` of shape ``(tokens, in)``."""
     require_kernel(KERNEL, w24.dtype, w24.device)
+    tokens = dense.shape[0]
+    padding = -tokens % _TOKENS_MULTIPLE
+    if padding:
+        dense = F.pad(dense, (0, 0, 0, padding))
     packed, dense_t = pack(w24), dense.t()
     algorithm = ALGORITHMS.choose(packed, dense_t, bias, out_features=w24.shape[0])
     options = {
@@ -135,13 +143,14 @@ def _sparse_mm(w24: Tensor, dense: Tensor, bias: Tensor | None) -> Tensor:
         "split_k": algorithm.split_k,
         "split_k_mode": algorithm.split_k_mode,
     }
-    return torch._cslt_sparse_mm(
+    out = torch._cslt_sparse_mm(
         packed,
         dense_t,
         bias,
         transpose_result=True,
         **{name: value for name, value in options.items() if name in _MM_ARGUMENTS},
     )
+    return out[:tokens] if padding else out
 
 
 @torch.library.custom_op("lightning_sparse::linear_24", mutates_args=())
