@@ -126,7 +126,9 @@ _MM_ARGUMENTS = {
 }
 
 
-_TOKENS_MULTIPLE = 8  # cuSPARSELt's 16-bit dense operands: rows padded as torch pads them
+_TOKENS_MULTIPLE = (
+    8  # cuSPARSELt's 16-bit dense operands: rows padded as torch pads them
+)
 
 
 def _sparse_mm(w24: Tensor, dense: Tensor, bias: Tensor | None) -> Tensor:
