@@ -20,6 +20,7 @@ from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.kernel_check import (
     KernelCheckError,
     check_kernel,
+    known_values,
     register_kernel,
 )
 from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
@@ -54,17 +55,10 @@ def kernels() -> list[str]:
     return [*found, "cutlass"] if torch.cuda.get_device_capability()[0] == 8 else found
 
 
-def tie_free(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Weights whose ``|w|`` are distinct within every 4x4 tile (``(1 + k/16) / 16`` for a
-    random permutation ``k`` of 0..15, random signs): exact in bfloat16, so the kernel's and
-    the emulation's greedy choices cannot differ by tie-breaking."""
-    gen = torch.Generator().manual_seed(seed)
-    tiles = (rows // 4) * (cols // 4)
-    ranks = torch.argsort(torch.rand(tiles, 16, generator=gen), dim=1)
-    signs = torch.randint(0, 2, (tiles, 16), generator=gen) * 2 - 1
-    values = (1 + ranks / 16) / 16 * signs
-    tiled = values.view(rows // 4, cols // 4, 4, 4).permute(0, 2, 1, 3)
-    return tiled.reshape(rows, cols).cuda()
+def tie_free(rows: int, cols: int) -> torch.Tensor:
+    """Weights whose ``|w|`` are distinct within every 4x4 tile, exact in bfloat16, so the
+    kernel's and the emulation's greedy choices cannot differ by tie-breaking."""
+    return known_values(rows, cols).cuda()
 
 
 @pytest.mark.parametrize("kernel", kernels())
