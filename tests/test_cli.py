@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import Classifier, TinyModule, fast_trainer, random_loader
 from lightning.pytorch.cli import LightningCLI
+from test_models import tiny_torchvision_vit
 from torch import nn
 
 from lightning_sparse import SparsityCallback
@@ -384,17 +385,7 @@ def test_fit_resumes_from_ckpt_path_and_names_a_changed_schedule(
 
 
 def test_plan_leaves_nm_misfits_dense_and_finds_the_head_by_the_example_forward():
-    vision_transformer = pytest.importorskip("torchvision.models.vision_transformer")
-    vit = vision_transformer.VisionTransformer(
-        image_size=16,
-        patch_size=8,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=32,
-        mlp_dim=64,
-        num_classes=4,
-    )
-    module = Classifier(vit, example=torch.randn(1, 3, 16, 16))
+    module = Classifier(tiny_torchvision_vit(), example=torch.randn(1, 3, 16, 16))
     cb = SparsityCallback(phases=[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}])
     text = format_plan(
         plan_schedule(fast_trainer(max_steps=10, callbacks=[cb]), module)
