@@ -33,6 +33,7 @@ from lightning_sparse.demo._checks import (
     check_positive_int,
     resolve_steps,
 )
+from lightning_sparse.demo.compiling import compile_in_place, compile_mode
 from lightning_sparse.demo.optim import (
     adamw_warmup_cosine,
     check_adamw_warmup_cosine,
@@ -276,6 +277,10 @@ class DINOSelfDistillation(L.LightningModule):
         freeze_last_layer_steps: keep the prototype layer fixed for this many optimizer steps.
         knn_k, knn_temperature: the k-NN evaluation.
         probe_steps, probe_lr: the linear probe (full-batch Adam on standardized features).
+        compile: ``torch.compile`` the student's and the teacher's backbones in place in
+            ``configure_model`` (names unchanged; the heads run eagerly): ``False`` (eager),
+            ``True`` (the default mode) or a mode such as ``"reduce-overhead"`` (see
+            :data:`~lightning_sparse.demo.compiling.COMPILE_MODES`).
 
     Example:
         >>> import torch
@@ -316,6 +321,7 @@ class DINOSelfDistillation(L.LightningModule):
         knn_temperature: float = 0.07,
         probe_steps: int = 300,
         probe_lr: float = 0.1,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -341,6 +347,7 @@ class DINOSelfDistillation(L.LightningModule):
         check_non_negative_int("freeze_last_layer_steps", freeze_last_layer_steps)
         check_positive_int("knn_k", knn_k)
         check_non_negative_int("probe_steps", probe_steps)
+        compile_mode(compile)
         self.save_hyperparameters()
 
         kwargs = dict(TINY_DINO_VIT_KWARGS if model_kwargs is None else model_kwargs)
@@ -368,6 +375,14 @@ class DINOSelfDistillation(L.LightningModule):
         self._last_ema_step = 0
         self._eval_features: dict[int, list[Tensor]] = {}
         self._eval_labels: dict[int, list[Tensor]] = {}
+
+    def configure_model(self) -> None:
+        # the backbones hold the sparse layers; the teacher's also computes the eval features
+        compile_in_place(
+            compile_mode(self.hparams.compile),
+            self.student.backbone,
+            self.teacher.backbone,
+        )
 
     # ----------------------------------------------------------------------------- schedules
     def _total_steps(self) -> int:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
+from lightning_sparse.demo.compiling import compile_in_place, compile_mode
 from lightning_sparse.demo.optim import (
     adamw_warmup_cosine,
     check_adamw_warmup_cosine,
@@ -253,6 +254,9 @@ class GPTLanguageModel(L.LightningModule):
         warmup_steps: linear warmup length: a fraction of the run in [0, 1), or a whole number
             >= 1 of optimizer steps.
         min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
+        compile: ``torch.compile`` the :class:`GPT` in place in ``configure_model`` (names
+            unchanged): ``False`` (eager), ``True`` (the default mode) or a mode such as
+            ``"reduce-overhead"`` (see :data:`~lightning_sparse.demo.compiling.COMPILE_MODES`).
 
     Example:
         >>> import torch
@@ -279,9 +283,11 @@ class GPTLanguageModel(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: float = 0.05,
         min_lr_ratio: float = 0.1,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         check_adamw_warmup_cosine(lr, weight_decay, warmup_steps, min_lr_ratio)
+        compile_mode(compile)
         overrides = {
             "vocab_size": vocab_size,
             "block_size": block_size,
@@ -297,6 +303,9 @@ class GPTLanguageModel(L.LightningModule):
         self.save_hyperparameters()
         self.model = GPT(self.config)
         self.val_ppl = Perplexity()
+
+    def configure_model(self) -> None:
+        compile_in_place(compile_mode(self.hparams.compile), self.model)
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)

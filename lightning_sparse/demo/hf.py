@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
 
+from lightning_sparse.demo.compiling import compile_in_place, compile_mode
 from lightning_sparse.demo.optim import (
     adamw_warmup_cosine,
     check_adamw_warmup_cosine,
@@ -48,6 +49,9 @@ class HuggingFaceCausalLM(L.LightningModule):
         betas: AdamW betas.
         warmup_steps: linear warmup: a fraction of the run in [0, 1), or optimizer steps >= 1.
         min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
+        compile: ``torch.compile`` the ``transformers`` model in place in ``configure_model``
+            (names unchanged): ``False`` (eager), ``True`` (the default mode) or a mode such as
+            ``"reduce-overhead"`` (see :data:`~lightning_sparse.demo.compiling.COMPILE_MODES`).
     """
 
     def __init__(
@@ -60,9 +64,11 @@ class HuggingFaceCausalLM(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: float = 0.05,
         min_lr_ratio: float = 0.1,
+        compile: bool | str = False,
     ) -> None:
         super().__init__()
         check_adamw_warmup_cosine(lr, weight_decay, warmup_steps, min_lr_ratio)
+        compile_mode(compile)
         self.save_hyperparameters()
         overrides = dict(config or {})
         if pretrained:
@@ -73,6 +79,9 @@ class HuggingFaceCausalLM(L.LightningModule):
             self.model = transformers.AutoModelForCausalLM.from_config(
                 _config(model, overrides)
             )
+
+    def configure_model(self) -> None:
+        compile_in_place(compile_mode(self.hparams.compile), self.model)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(input_ids=x).logits  # (B, T, vocab)

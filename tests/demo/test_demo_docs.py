@@ -9,6 +9,7 @@ import pytest
 
 MODULES = [
     "lightning_sparse.demo._checks",
+    "lightning_sparse.demo.compiling",
     "lightning_sparse.demo.optim",
     "lightning_sparse.demo.multicrop",
     "lightning_sparse.demo.images",
