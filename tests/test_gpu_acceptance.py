@@ -26,7 +26,15 @@ class Bare:
 
 sys.meta_path.insert(0, Bare())
 """
-STAGES = ["environment", "gpu tests", "sparse_linear", "verify_speed", "training"]
+STAGES = [
+    "environment",
+    "kernel check",
+    "gpu tests",
+    "sparse_linear",
+    "train_steps",
+    "verify_speed",
+    "training",
+]
 
 
 @pytest.fixture
@@ -52,7 +60,17 @@ def test_cpu_smoke_writes_a_report_of_every_stage(acceptance, tmp_path):
         assert f"| {stage} | passed |" in report, stage
     # the GPU tests were collected (not run) without hypothesis, and each stage's table came back
     assert "test_semi_structured_gpu.py" in report
-    assert "| smoke: 64x128 -> 256 | 2:4 emulated |" in report
+    assert "| 256x128 | greedy_2to4_mask (the masked runtime step) |" in report
+    assert "| 256x128 | lightning_sparse compress | - |" in report
+    for variant in ("dense", "2:4 emulated, alg 0", "2:4 emulated, searched"):
+        assert f"| smoke: 64x128 -> 256 | {variant} |" in report  # eager and compiled
+    assert "| 2:4 masked runtime |" in report
+    assert "| compiled | 2:4 MLPs |" in report  # the LLM block stack
+    assert "| cusparselt | passed |" in report  # the kernel check (emulated)
+    assert (
+        "| LLM block stack training step, compiled | at least 1.1 x | - | not run |"
+        in report
+    )
     assert "| odd shape | 100x100 |" in report
     assert "| 2:4 runtime (MLPs) | 4 |" in report
     assert "model.blocks.1.mlp.fc2.weight" in report
