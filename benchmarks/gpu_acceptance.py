@@ -368,7 +368,7 @@ def best_speedups(records: list[dict]) -> list[str]:
 def kernel_checks(args: argparse.Namespace, deadline: float) -> Stage:
     from lightning_sparse.backends.cusparselt import packer_matches
     from lightning_sparse.backends.kernel_check import check_kernel
-    from lightning_sparse.backends.semi_structured import INFERENCE, KERNELS
+    from lightning_sparse.backends.semi_structured import INFERENCE
 
     if args.cpu_smoke:  # the emulation: the check's plumbing only
         device, dtypes, kernels = torch.device("cpu"), [torch.float32], ["cusparselt"]
@@ -377,7 +377,7 @@ def kernel_checks(args: argparse.Namespace, deadline: float) -> Stage:
         kernels = [*available_kernels(device), INFERENCE]
     verdicts = [check_kernel(k, d, device) for k in kernels for d in dtypes]
     lines = [kernel_check_table()]
-    if device.type == "cuda" and "cusparselt" in KERNELS:
+    if device.type == "cuda" and "cusparselt" in kernels:
         packers = [
             [
                 str(d).removeprefix("torch."),
