@@ -3,21 +3,39 @@
     PYTHONPATH=. python benchmarks/gpu_acceptance.py --out report.md [--time-budget 540]
     PYTHONPATH=. python benchmarks/gpu_acceptance.py --cpu-smoke --out smoke.md  # checks the script
 
-On a CUDA GPU of compute capability 8.0+ it runs five stages and writes one Markdown report:
+On a CUDA GPU of compute capability 8.0+ it runs these stages and writes one Markdown report:
 
 1. environment: versions of Python, torch (CUDA, cuSPARSELt), Lightning, timm; the GPU;
-2. GPU tests: ``pytest -m gpu`` over the test files that hold GPU-marked tests;
-3. ``benchmarks/sparse_linear.py``: 2:4 linear layers and a ViT-L/14 step vs dense;
-4. ``verify_speed``: what ``backend="auto", verify_speed=True`` decides for a few MLP shapes;
-5. training: a timm ViT (``vit_base_patch16_224``, random init, ``bf16-mixed``) trained with
+2. kernel check: each 2:4 kernel's check on this GPU in bf16 and fp16 (verdict, error,
+   versions) and whether our cuSPARSELt packer writes the bytes of ``torch._cslt_compress``;
+3. GPU tests: ``pytest -m gpu`` over the test files that hold GPU-marked tests;
+4. ``benchmarks/sparse_linear.py``: the masked runtime mask step, packing W and W.T by both
+   packers, and 2:4 linear layers vs dense (cuSPARSELt algorithm 0 and searched, masked),
+   eager and compiled;
+5. ``benchmarks/train_steps.py``: training steps of an LLM block stack and ViT-B/16 (``vit-l``
+   by ``--step-models``), dense vs 2:4 MLPs, eager and compiled;
+6. ``verify_speed``: what ``backend="auto", verify_speed=True`` decides for a few MLP shapes;
+7. training: a timm ViT (``vit_base_patch16_224``, random init, ``bf16-mixed``) trained with
    Lightning on synthetic images made on the GPU, dense vs 2:4 ``runtime`` on the MLP linears
    (``backend="auto"``): median step time, peak memory, loss along the run, the backend table.
 
-Stages 2-5 each run in a subprocess (a CUDA error in one cannot poison the next; with
-``--cpu-smoke``, stages 4-5 run in this process) with a share of ``--time-budget``: time an
-earlier stage leaves unused passes to the later ones. A stage about
-to run out of time stops cleanly (training stops early, and says so); one that overruns its
-share is killed, and the report says what was cut. Defaults fit 9 minutes on one H100.
+The report opens with the GPU targets of issues 28 and 29 (H100, bf16) and, for each, PASS or
+FAIL from this run's measurements, or "not run":
+
+- packing W and W.T (the packer in use, as a CUDA graph): at most 0.1 ms at 4096x1024 and
+  0.6 ms at 11008x4096;
+- the runtime 2:4 MLP linear, forward + backward compiled (searched algorithm): at least 1.2x
+  dense at 16384x4096->11008 and 1.0x at 32896x1024->4096;
+- the LLM block stack's training step, compiled: at least 1.1x dense;
+- the masked runtime mask step of a 4096x1024 weight: at most 0.1 ms;
+- nothing ``verify_speed`` keeps sparse is slower than dense.
+
+Stages 2-7 each run in a subprocess (a CUDA error in one cannot poison the next; with
+``--cpu-smoke``, stages 2, 6 and 7 run in this process) with a share of ``--time-budget``:
+time an earlier stage leaves unused passes to the later ones. A stage about to run out of time
+stops cleanly (the benchmarks skip what is left, training stops early, and they say so); one
+that overruns its share is killed, and the report says what was cut. ``--stages`` picks stages
+(the others are reported as not selected). Defaults fit 9 minutes on one H100.
 
 It needs only torch, lightning, timm, torchmetrics, numba and pytest (no jsonargparse, no
 hypothesis, no network): run it from the checkout with ``PYTHONPATH=.``. Without a CUDA GPU of
@@ -38,6 +56,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -46,6 +65,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,9 +74,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout, not an install
 
-from common import markdown_table
-
-from lightning_sparse.backends import capability
+from common import (
+    TINY_VIT,
+    available_kernels,
+    cuda_problem,
+    kernel_check_table,
+    markdown_table,
+)
+from sparse_linear import COMPILED
+from train_steps import WORKLOADS
 
 MLP_PARAMS = ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"]
 # (layer, out_features, in_features): ViT-L/14 and ViT-B/16 MLPs, and a shape no kernel takes
@@ -68,20 +94,16 @@ SPEED_SHAPES = [
     ("odd shape", 1000, 1000),
 ]
 SMOKE_SPEED_SHAPES = [("smoke fc1", 256, 128), ("odd shape", 100, 100)]
-TINY_VIT = {
-    "img_size": 32,
-    "patch_size": 8,
-    "embed_dim": 64,
-    "depth": 2,
-    "num_heads": 2,
-}
 # Share of the time budget per subprocess stage (the environment stage runs in this process).
 SHARES = {
-    "gpu tests": 0.30,
-    "sparse_linear": 0.22,
-    "verify_speed": 0.08,
-    "training": 0.40,
+    "kernel check": 0.03,
+    "gpu tests": 0.20,
+    "sparse_linear": 0.20,
+    "train_steps": 0.27,
+    "verify_speed": 0.06,
+    "training": 0.24,
 }
+STEP_MODELS = ["llm", "vit-b"]  # train_steps.py's vit-l: by --step-models
 BF16 = torch.bfloat16
 OPTIONAL = ("jsonargparse", "hypothesis")  # never needed here; reported when present
 
@@ -96,6 +118,8 @@ class Stage:
     body: str = ""
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+    """Measurements as the benchmarks' JSON records, for the targets."""
 
 
 # -- stage 1: environment (in this process) ------------------------------------------------------
@@ -103,15 +127,7 @@ def gpu_problem() -> str | None:
     """Why this machine cannot run the GPU stages, or ``None``."""
     if torch.version.hip is not None:
         return "a ROCm build of torch: the 2:4 kernels used here are NVIDIA-only"
-    if not torch.cuda.is_available():
-        return (
-            "no CUDA GPU found (2:4 sparse tensor cores need compute capability 8.0+)"
-        )
-    found = torch.cuda.get_device_capability()
-    if found < capability.AMPERE:
-        name = torch.cuda.get_device_name()
-        return f"{name} has compute capability {found[0]}.{found[1]}, not 8.0+"
-    return None
+    return cuda_problem()
 
 
 def version(package: str) -> str:
@@ -274,53 +290,113 @@ def last_summary(out: str) -> str:
     return lines[-1] if lines else ""
 
 
-# -- stage 3: benchmarks/sparse_linear.py ---------------------------------------------------------
-def sparse_linear(args: argparse.Namespace, timeout: float) -> Stage:
-    script = str(Path(__file__).with_name("sparse_linear.py"))
-    smoke = ["--cpu-smoke", "--no-step"]
-    extra = smoke if args.cpu_smoke else ["--repeats", "10", "--warmup", "3"]
-    code, out = run_command([sys.executable, script, *extra], timeout)
+# -- stages 4 and 5: benchmarks/sparse_linear.py and benchmarks/train_steps.py ------------------
+def benchmark(
+    script: str, extra: list[str], args: argparse.Namespace, timeout: float
+) -> Stage:
+    """Run ``benchmarks/<script>.py`` with a time limit a margin before ``timeout``; its tables
+    and its JSON records (what it measured before a kill, too)."""
+    if args.cpu_smoke:
+        extra = ["--cpu-smoke", *extra]
+    else:
+        extra = ["--repeats", "10", "--warmup", "3", *extra]
+        extra += ["--time-limit", f"{timeout - min(30.0, 0.15 * timeout):.0f}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        found = Path(tmp) / "records.json"
+        path = str(Path(__file__).with_name(f"{script}.py"))
+        code, out = run_command(
+            [sys.executable, path, *extra, "--json", str(found)], timeout
+        )
+        records = json.loads(found.read_text()) if found.exists() else []
     kept = [
         line
         for line in out.splitlines()
-        if line.startswith(("|", "torch ")) or not line.strip()
+        if line.startswith(("|", "torch ", "Kernel checks", "Not run"))
+        or not line.strip()
     ]
     tables = re.sub(r"\n{3,}", "\n\n", "\n".join(kept)).strip()
-    rows = [cells(line) for line in kept if line.startswith("| ") and "---" not in line]
-    rows = [row for row in rows if row[0] != "workload"]  # not the headers
-    stage = Stage("sparse_linear", summary=f"{len(rows)} table rows")
+    stage = Stage(script, summary=f"{len(records)} measurements", records=records)
     if code is None:
         stage.status = "cut"
         stage.summary += f"; killed after {timeout:.0f} s"
-    elif code != 0 or "needs CUDA" in out or not rows:
-        stage.status, stage.summary = "failed", f"exit status {code}; no table"
+    elif code != 0 or "needs CUDA" in out or not records:
+        stage.status, stage.summary = "failed", f"exit status {code}; no measurement"
     else:
         stage.status = "passed"
-        stage.summary += "".join(f"; {best}" for best in best_speedups(rows))
-    command = f"`python benchmarks/sparse_linear.py {' '.join(extra)}`"
-    output = tail(out, 30) if stage.status != "passed" else ""
+        stage.summary += "".join(f"; {best}" for best in best_speedups(records))
+        if "Not run (time limit)" in out:
+            stage.status = "cut"
+            stage.notes.append(
+                "the time limit skipped some measurements (listed below)"
+            )
+    command = f"`python benchmarks/{script}.py {shlex.join(extra)}`"
+    output = tail(out, 30) if stage.status in ("failed", "cut") else ""
     stage.body = "\n\n".join(filter(None, [command, tables, output]))
     return stage
 
 
-def cells(line: str) -> list[str]:
-    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+def sparse_linear(args: argparse.Namespace, timeout: float) -> Stage:
+    return benchmark(
+        "sparse_linear", ["--compiled", *args.compiled_shapes], args, timeout
+    )
 
 
-def best_speedups(rows: list[list[str]]) -> list[str]:
-    """The best 2:4 kernel speed-up over dense of a linear layer, and of the ViT-L step."""
+def train_steps(args: argparse.Namespace, timeout: float) -> Stage:
+    models = ["llm"] if args.cpu_smoke else args.step_models  # the target's model
+    return benchmark("train_steps", ["--models", *models], args, timeout)
+
+
+def best_speedups(records: list[dict]) -> list[str]:
+    """The best 2:4 kernel speed-up over dense of a linear layer and of a training step."""
     best = {}
-    for workload, variant, _, ratio in (row for row in rows if len(row) == 4):
-        if "2:4" in variant and "masked" not in variant and ratio.endswith("x"):
-            kind = "step" if "step" in workload else "linear"
-            found = (float(ratio[:-1]), workload, variant)
-            best[kind] = max(best.get(kind, found), found)
+    for r in records:
+        kernel = r["kernel"] not in ("", "masked") if r["table"] == "layers" else True
+        if r["table"] in ("layers", "steps") and r["variant"] != "dense" and kernel:
+            what = r.get("label", "") + (
+                f" {r['tokens']}x{r['in_features']} -> {r['out_features']}"
+                if r["table"] == "layers"
+                else ""
+            )
+            found = (r["ratio"], f"{what.strip()}, {r['variant']}, {r['mode']}")
+            best[r["table"]] = max(best.get(r["table"], found), found)
     return [
-        f"best {kind} {r:.2f}x dense ({w}, {v})" for kind, (r, w, v) in best.items()
+        f"best {table} {r:.2f}x dense ({what})" for table, (r, what) in best.items()
     ]
 
 
-# -- stage 4: verify_speed (in a child process) ---------------------------------------------------
+# -- stage 2: the kernel check (in a child process) -----------------------------------------------
+def kernel_checks(args: argparse.Namespace, deadline: float) -> Stage:
+    from lightning_sparse.backends.cusparselt import packer_matches
+    from lightning_sparse.backends.kernel_check import check_kernel
+    from lightning_sparse.backends.semi_structured import INFERENCE
+
+    if args.cpu_smoke:  # the emulation: the check's plumbing only
+        device, dtypes, kernels = torch.device("cpu"), [torch.float32], ["cusparselt"]
+    else:
+        device, dtypes = torch.device("cuda"), [BF16, torch.float16]
+        kernels = [*available_kernels(device), INFERENCE]
+    verdicts = [check_kernel(k, d, device) for k in kernels for d in dtypes]
+    lines = [kernel_check_table()]
+    if device.type == "cuda" and "cusparselt" in kernels:
+        packers = [
+            [
+                str(d).removeprefix("torch."),
+                "yes" if packer_matches(d, device) else "no",
+            ]
+            for d in dtypes
+        ]
+        header = ["dtype", "lightning_sparse packer = torch._cslt_compress bytes"]
+        lines += ["", markdown_table(header, packers)]
+    failed = [v.reason for v in verdicts if not v.passed]
+    stage = Stage(
+        "kernel check", "failed" if failed else "passed", body="\n".join(lines)
+    )
+    stage.summary = f"{len(verdicts) - len(failed)}/{len(verdicts)} checks passed"
+    stage.notes += failed
+    return stage
+
+
+# -- stage 6: verify_speed (in a child process) ---------------------------------------------------
 def verify_speed(args: argparse.Namespace, deadline: float) -> Stage:
     from torch import nn
 
@@ -348,9 +424,13 @@ def verify_speed(args: argparse.Namespace, deadline: float) -> Stage:
         ):  # no kernel on the CPU: time the emulation, to check the rest
             check(layer.weight, "emulated", torch.float32)
         shape = tuple(layer.weight.shape)
-        ratios = [
-            f"{m.ratio:.2f}x" for key, m in check.results.items() if key[0] == shape
-        ]
+        measured = [(key[2], m) for key, m in check.results.items() if key[0] == shape]
+        ratios = [f"{m.ratio:.2f}x" for _, m in measured]
+        stage.records += [
+            {"table": "verify_speed", "layer": label, "kernel": kernel, "ratio": m.ratio,
+             "kept_sparse": choice.name == "semi_structured" and kernel == choice.kernel}
+            for kernel, m in measured
+        ]  # fmt: skip
         rows.append(
             [
                 label,
@@ -375,7 +455,7 @@ def verify_speed(args: argparse.Namespace, deadline: float) -> Stage:
     return stage
 
 
-# -- stage 5: training comparison (in a child process) --------------------------------------------
+# -- stage 7: training comparison (in a child process) --------------------------------------------
 def training(args: argparse.Namespace, deadline: float) -> Stage:
     import lightning as L
     import timm
@@ -590,7 +670,11 @@ def training_report(args: argparse.Namespace, dense: dict, sparse: dict) -> Stag
     return stage
 
 
-CHILD_STAGES = {"verify_speed": verify_speed, "training": training}
+CHILD_STAGES = {
+    "kernel check": kernel_checks,
+    "verify_speed": verify_speed,
+    "training": training,
+}
 
 
 def child(
@@ -621,11 +705,98 @@ def child(
 
 
 STAGES = {
+    "kernel check": lambda args, timeout: child(args, timeout, "kernel check"),
     "gpu tests": gpu_tests,
     "sparse_linear": sparse_linear,
+    "train_steps": train_steps,
     "verify_speed": lambda args, timeout: child(args, timeout, "verify_speed"),
     "training": lambda args, timeout: child(args, timeout, "training"),
 }
+
+
+# -- the targets ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """A GPU target: ``find`` picks its number from the records (``None``: not measured);
+    it holds when the number is at most ``limit`` (``at_most``) or at least ``limit``."""
+
+    what: str
+    limit: float
+    at_most: bool
+    unit: str
+    find: Callable[[list[dict]], float | None]
+
+    def row(self, records: list[dict]) -> list[str]:
+        must = f"{'at most' if self.at_most else 'at least'} {self.limit:g} {self.unit}"
+        value = self.find(records)
+        if value is None:
+            return [self.what, must, "-", "not run"]
+        holds = value <= self.limit if self.at_most else value >= self.limit
+        shown = "none kept sparse" if value == math.inf else f"{value:.3g} {self.unit}"
+        return [self.what, must, shown, "PASS" if holds else "FAIL"]
+
+
+def first(records: list[dict], key: str, **match: object) -> float | None:
+    """``key`` of the first record matching every ``match``."""
+    for r in records:
+        if all(r.get(k) == v for k, v in match.items()) and r.get(key) is not None:
+            return r[key]
+    return None
+
+
+def packing(weight: str) -> Callable[[list[dict]], float | None]:
+    def find(records: list[dict]) -> float | None:
+        match = {
+            "table": "packing",
+            "weight": weight,
+            "in_use": True,
+            "what": "W and W.T",
+        }
+        return first(records, "graphed_ms", **match) or first(
+            records, "eager_ms", **match
+        )
+
+    return find
+
+
+def compiled_linear(tokens: int, fan_in: int, fan_out: int) -> Callable:
+    return lambda records: first(
+        records, "ratio", table="layers", tokens=tokens, in_features=fan_in,
+        out_features=fan_out, kernel="cusparselt", algorithm="searched", mode="compiled",
+    )  # fmt: skip
+
+
+def slowest_kept_sparse(records: list[dict]) -> float | None:
+    """The lowest speed-up of a shape ``verify_speed`` kept on a 2:4 kernel (``inf``: none)."""
+    checked = [r for r in records if r["table"] == "verify_speed"]
+    kept = [r["ratio"] for r in checked if r["kept_sparse"]]
+    return min(kept, default=math.inf) if checked else None
+
+
+LLM = WORKLOADS["llm"]()  # the block stack of the target (not the smoke run's)
+TARGETS = [
+    Target("packing W and W.T, 4096x1024 (packer in use, CUDA graph)", 0.1, True, "ms",
+           packing("4096x1024")),
+    Target("packing W and W.T, 11008x4096 (packer in use, CUDA graph)", 0.6, True, "ms",
+           packing("11008x4096")),
+    Target("runtime 2:4 linear fwd+bwd compiled, 16384x4096 -> 11008", 1.2, False, "x",
+           compiled_linear(16384, 4096, 11008)),
+    Target("runtime 2:4 linear fwd+bwd compiled, 32896x1024 -> 4096", 1.0, False, "x",
+           compiled_linear(32896, 1024, 4096)),
+    Target("LLM block stack training step, compiled", 1.1, False, "x",
+           lambda records: first(records, "ratio", table="steps", label=LLM.label,
+                                 mode="compiled", variant="2:4 MLPs")),
+    Target("masked runtime mask step, 4096x1024 (greedy_2to4_mask, eager)", 0.1, True, "ms",
+           lambda records: first(records, "eager_ms", table="mask", weight="4096x1024",
+                                 function="greedy_2to4_mask")),
+    Target("slowest layer verify_speed keeps on a 2:4 kernel", 1.0, False, "x",
+           slowest_kept_sparse),
+]  # fmt: skip
+
+
+def target_rows(stages: list[Stage]) -> list[list[str]]:
+    records = [r for stage in stages for r in stage.records]
+    return [target.row(records) for target in TARGETS]
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -650,6 +821,12 @@ def report(
                 for s in stages
             ],
         ),
+        "",
+        "GPU targets (issues 28 and 29; H100, bf16), from this run's measurements"
+        + (" (a CPU smoke run: meaningless)" if args.cpu_smoke else "")
+        + ":",
+        "",
+        markdown_table(["target", "must", "measured", "verdict"], target_rows(stages)),
     ]
     for i, stage in enumerate(stages, 1):
         lines += ["", f"## {i}. {stage.name}: {stage.status}", ""]
@@ -676,6 +853,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--precision", default="bf16-mixed", help="Lightning precision")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    parser.add_argument(
+        "--stages", nargs="+", choices=SHARES, default=list(SHARES), help="what to run"
+    )
+    parser.add_argument(
+        "--step-models", nargs="+", default=STEP_MODELS, help="train_steps.py --models"
+    )
+    parser.add_argument(
+        "--compiled-shapes",
+        nargs="+",
+        default=COMPILED,
+        help="sparse_linear.py --compiled (layer label substrings, 'all' or 'none')",
+    )
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="check the script on the CPU"
     )
@@ -720,7 +909,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, share in SHARES.items():
             spent += share
             timeout = start + spent * args.time_budget - time.time()
-            if timeout < 10:
+            if name not in args.stages:
+                stage = Stage(name, "skipped", "not selected (--stages)")
+            elif timeout < 10:
                 stage = Stage(
                     name, "cut", f"skipped: {timeout:.0f} s left of its share"
                 )

@@ -1,217 +1,383 @@
-"""Benchmark: 2:4 sparse tensor cores vs dense matmuls, forward + backward, bfloat16 (CUDA, sm80+).
+"""Benchmark: the 2:4 linear layer against dense on a GPU (bf16, CUDA sm80+), in three stages.
 
-    python benchmarks/sparse_linear.py [--repeats 20] [--batch 48] [--no-step] [--compile]
-    python benchmarks/sparse_linear.py --cpu-smoke   # checks the script on the CPU only
+    PYTHONPATH=. python benchmarks/sparse_linear.py [--stages mask packing layers]
+        [--shapes ViT-L Llama] [--compiled all] [--repeats 10] [--json out.json]
+    PYTHONPATH=. python benchmarks/sparse_linear.py --cpu-smoke   # checks the script on the CPU
 
-1. ``nn.Linear`` layers (with bias) at ViT-L MLP shapes (13008 tokens, 1024 -> 4096 and
-   4096 -> 1024) and GPT-2 MLP shapes (8192 tokens = 8 x 1024; small, medium, large):
-   forward + backward (input, weight and bias gradients) of the dense layer, of the 2:4
-   ``runtime`` layer on each available kernel (the per-step tile op that prunes and packs the
-   weight included), and of the masked 2:4 layer (the same function as dense math).
-2. A full ViT-L/14 training step (timm ``vit_large_patch14_224``, random init, bf16 autocast,
-   fused AdamW): dense vs the sparse phase (every ``mlp.fc1``/``mlp.fc2`` 2:4 on the kernel).
+- ``mask``: the mask step of the masked runtime 2:4 layer on a bf16 weight (4096x1024,
+  11008x4096): ``greedy_2to4_mask`` (torch's tile kernel on CUDA), as the layer runs it at
+  every forward (``project_eagerly``), against the torch-ops reference
+  ``transposable_2to4_mask``; eager and replayed as a CUDA graph, and the fraction of entries on
+  which the two masks agree (they may differ only where ``|w|`` ties within a tile).
+- ``packing``: cuSPARSELt's compressed form of a greedy 2:4 weight ``W`` and of ``W.T`` (what a
+  training step packs, for the forward and the input gradient; ``W.T`` includes the copy that
+  makes it row-major) by our packer (``cusparselt_packer.compress``) and by
+  ``torch._cslt_compress`` at the same shapes; eager and as a CUDA graph (how it runs inside a
+  compiled step); which of the two ``cusparselt.pack`` uses on this GPU.
+- ``layers``: forward + backward (input, weight and bias gradients) of bf16 ``nn.Linear``
+  layers at ViT-L MLP shapes (13008 and 32896 tokens), ViT-B (25216 tokens = 128 x 197),
+  GPT-2 small (8192 tokens) and Llama-7B MLP up/down (16384 tokens): dense; the runtime 2:4
+  layer (pruned and packed at every step, ``install_semi_structured_forward``) on cuSPARSELt
+  with algorithm 0 and with the algorithm cuSPARSELt's search picks (CUTLASS too on sm8x); the
+  masked runtime 2:4 layer (dense math on the greedy 2:4 weight). Each eagerly, and compiled
+  with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) for the ``--compiled`` shapes
+  (by default the two of the acceptance targets: each compiled variant costs a compilation).
 
-Speed-ups are against dense measured in the same run. Without a CUDA GPU of compute
-capability 8.0+ it prints that it needs one and exits with status 0. ``--cpu-smoke`` runs
-tiny shapes through the CPU emulation to check the script; its timings mean nothing.
+Ratios are against dense measured in the same run (same shape and mode). The kernel checks this
+process ran are printed last. ``--json`` writes every measurement as a record (for
+``gpu_acceptance.py``); ``--time-limit`` skips what would start after it and says so. Without a
+CUDA GPU of capability 8.0+ it says so and exits 0. ``--cpu-smoke`` runs tiny shapes through
+the same code on the CPU (the 2:4 layers on their emulation, compiled with ``aot_eager``; no
+``torch._cslt_compress``, no CUDA graphs); its timings mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import contextlib
+import functools
 import sys
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # this checkout, not an install
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout
 
-from common import markdown_table
+from common import (
+    COMPILED_WARMUP,
+    Deadline,
+    Records,
+    Timer,
+    available_kernels,
+    compile_options,
+    cuda_graphed,
+    cuda_problem,
+    kernel_check_table,
+    markdown_table,
+    new_step,
+)
 
-from lightning_sparse.backends import capability
-from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
-from lightning_sparse.backends.semi_structured import install_semi_structured_forward
-from lightning_sparse.core.schedule import Phase, resolve_phases
-from lightning_sparse.core.selection import select_parameters
-from lightning_sparse.engine.sparsifier import Sparsifier
-from lightning_sparse.masks.tiles import transposable_2to4_mask
+from lightning_sparse.backends import capability, cusparselt
+from lightning_sparse.backends.cusparselt_algorithms import DEFAULT, AlgorithmCache
+from lightning_sparse.backends.cusparselt_packer import compress
+from lightning_sparse.backends.masked import (
+    install_masked_forward,
+    project_eagerly,
+    uninstall_forward,
+)
+from lightning_sparse.backends.semi_structured import (
+    LABELS,
+    install_semi_structured_forward,
+)
+from lightning_sparse.masks.tiles import greedy_2to4_mask, transposable_2to4_mask
 
+STAGES = ("mask", "packing", "layers")
 # (label, tokens, in_features, out_features)
 LINEARS = [
     ("ViT-L MLP fc1", 13008, 1024, 4096),
     ("ViT-L MLP fc2", 13008, 4096, 1024),
+    ("ViT-L MLP fc1", 32896, 1024, 4096),
+    ("ViT-L MLP fc2", 32896, 4096, 1024),
+    ("ViT-B MLP fc1", 25216, 768, 3072),
+    ("ViT-B MLP fc2", 25216, 3072, 768),
     ("GPT-2 small c_fc", 8192, 768, 3072),
     ("GPT-2 small c_proj", 8192, 3072, 768),
-    ("GPT-2 medium c_fc", 8192, 1024, 4096),
-    ("GPT-2 medium c_proj", 8192, 4096, 1024),
-    ("GPT-2 large c_fc", 8192, 1280, 5120),
-    ("GPT-2 large c_proj", 8192, 5120, 1280),
+    ("Llama-7B MLP up", 16384, 4096, 11008),
+    ("Llama-7B MLP down", 16384, 11008, 4096),
 ]
 SMOKE_LINEARS = [("smoke", 64, 128, 256)]
-MLP_PARAMS = ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"]
+COMPILED = [
+    "16384x4096 -> 11008",
+    "32896x1024 -> 4096",
+]  # the acceptance targets' shapes
+WEIGHTS = [(4096, 1024), (11008, 4096)]  # (out, in): ViT-L fc1, Llama-7B down
+SMOKE_WEIGHTS = [(256, 128)]
+ALGORITHM_0 = AlgorithmCache(search=lambda *args: DEFAULT)
 
 
-class Timer:
-    """Median milliseconds of a step, after warm-up (CUDA events on a GPU)."""
+@dataclass(frozen=True)
+class Variant:
+    """A way to run a layer: ``install`` gives it its forward (none: dense); ``algorithms``
+    replaces cuSPARSELt's algorithm cache while it runs (none: the process's, searched)."""
 
-    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
-        self.device, self.repeats, self.warmup = device, repeats, warmup
-
-    def __call__(self, step: Callable[[], None]) -> float:
-        for _ in range(self.warmup):
-            step()
-        times = []
-        for _ in range(self.repeats):
-            if self.device.type == "cuda":
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                torch.cuda.synchronize(self.device)
-                times.append(start.elapsed_time(end))
-            else:
-                begin = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - begin) * 1e3)
-        return statistics.median(times)
+    name: str
+    install: Callable[[nn.Module], None] | None = None
+    kernel: str = ""
+    algorithms: AlgorithmCache | None = None
 
 
-def available_kernels(device: torch.device) -> list[str]:
-    if device.type != "cuda":
-        return ["emulated"]
-    major = torch.cuda.get_device_capability(device)[0]
-    kernels = ["cusparselt"] if capability.cusparselt_available() else []
-    return [*kernels, "cutlass"] if major == 8 else kernels
+def layer_variants(device: torch.device) -> list[Variant]:
+    variants = [Variant("dense")]
+    for kernel in available_kernels(device):
+        install = functools.partial(install_semi_structured_forward, kernel=kernel)
+        label = f"2:4 {LABELS.get(kernel, kernel)}"
+        if kernel == "cutlass":
+            variants.append(Variant(label, install, kernel))
+        else:  # cuSPARSELt, or on the CPU its emulation (which reads no algorithm)
+            variants.append(Variant(f"{label}, alg 0", install, kernel, ALGORITHM_0))
+            variants.append(Variant(f"{label}, searched", install, kernel))
+    masked = functools.partial(install_masked_forward, project=greedy_2to4_mask)
+    variants.append(Variant("2:4 masked runtime", masked, "masked"))
+    return variants
 
 
-def linear_rows(args: argparse.Namespace, device: torch.device, timer: Timer) -> list:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    variants: list[tuple[str, Callable[[nn.Module], None]]] = [
-        (f"2:4 {k}", lambda m, k=k: install_semi_structured_forward(m, k))
-        for k in available_kernels(device)
+@contextlib.contextmanager
+def algorithms(cache: AlgorithmCache | None) -> Iterator[None]:
+    """cuSPARSELt's matmuls choose their algorithm from ``cache`` inside this block."""
+    if cache is None:
+        yield
+        return
+    saved, cusparselt.ALGORITHMS = cusparselt.ALGORITHMS, cache
+    try:
+        yield
+    finally:
+        cusparselt.ALGORITHMS = saved
+
+
+def time_layer(
+    layer: nn.Linear,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    variant: Variant,
+    compiled: bool,
+    timer: Timer,
+) -> float:
+    """Median ms of ``layer(x).backward(grad)`` run as ``variant``, eager or compiled."""
+    device = x.device
+    if variant.install is not None:
+        variant.install(layer)
+    try:
+        with algorithms(variant.algorithms):
+            run = torch.compile(layer, **compile_options(device)) if compiled else layer
+
+            def step() -> None:
+                if compiled:
+                    new_step(device)
+                run(x).backward(grad)
+                layer.weight.grad = layer.bias.grad = x.grad = None
+
+            return timer(step, COMPILED_WARMUP if compiled else None)
+    finally:
+        if variant.install is not None:
+            uninstall_forward(layer)
+        if compiled:  # a fresh compilation (and CUDA graphs) for the next variant
+            torch._dynamo.reset()
+
+
+def algorithm_of(variant: Variant) -> str:
+    """``"0"`` or ``"searched"`` for a variant on cuSPARSELt (or its emulation), else ``""``."""
+    if variant.kernel in ("", "masked", "cutlass"):
+        return ""
+    return "0" if variant.algorithms is ALGORITHM_0 else "searched"
+
+
+def searched(out_features: int, in_features: int) -> str:
+    """The algorithms the search chose for a layer: forward, input gradient (``W.T``)."""
+    found = [
+        cusparselt.ALGORITHMS.describe(*shape)
+        for shape in ((out_features, in_features), (in_features, out_features))
     ]
-    variants.append(
-        (
-            "2:4 masked (dense math)",
-            lambda m: install_masked_forward(m, project=transposable_2to4_mask),
-        )
-    )
+    return f" ({found[0]} / {found[1]})" if all(found) else ""
+
+
+def layer_rows(
+    args: argparse.Namespace, device: torch.device, timer: Timer, records: Records
+) -> list[list[str]]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    for label, tokens, fan_in, fan_out in SMOKE_LINEARS if args.cpu_smoke else LINEARS:
+    for label, tokens, fan_in, fan_out in args.linears:
+        workload = f"{label}: {tokens}x{fan_in} -> {fan_out}"
+        if args.deadline.passed(workload):
+            continue
+        modes = ["eager"]
+        if "all" in args.compiled or any(s in workload for s in args.compiled):
+            modes.append("compiled")
         x = torch.randn(tokens, fan_in, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(tokens, fan_out, device=device, dtype=dtype)
         layer = nn.Linear(fan_in, fan_out, device=device, dtype=dtype)
         owners = [("layer", layer, "weight")]
-        runs = (
+        kernel_takes = (
             device.type != "cuda"
             or capability.semi_structured_kernel(layer.weight, owners, dtype)[0]
         )
-
-        def step(layer: nn.Module = layer, x: torch.Tensor = x, grad=grad) -> None:
-            layer(x).backward(grad)
-            layer.weight.grad = layer.bias.grad = x.grad = None
-
-        dense = timer(step)
-        shape = f"{label}: {tokens}x{fan_in} -> {fan_out}"
-        rows.append([shape, "dense", f"{dense:.3f}", "1.00x"])
-        for name, install in variants:
-            if not runs and "masked" not in name:
-                rows.append([shape, name, "n/a (no kernel for this shape)", "-"])
-                continue
-            install(layer)
-            ms = timer(step)
-            uninstall_forward(layer)
-            rows.append([shape, name, f"{ms:.3f}", f"{dense / ms:.2f}x"])
+        dense: dict[str, float] = {}
+        for variant in layer_variants(device):
+            cells = []
+            for mode in modes:
+                if variant.kernel not in ("", "masked") and not kernel_takes:
+                    cells += ["n/a (no kernel for this shape)", "-"]
+                    continue
+                if args.deadline.passed(f"{workload} {variant.name} {mode}"):
+                    cells += ["not run (time limit)", "-"]
+                    continue
+                ms = time_layer(layer, x, grad, variant, mode == "compiled", timer)
+                dense.setdefault(mode, ms)
+                ratio = dense[mode] / ms
+                cells += [f"{ms:.3f}", f"{ratio:.2f}x"]
+                records.add(
+                    table="layers", label=label, tokens=tokens, in_features=fan_in,
+                    out_features=fan_out, variant=variant.name, kernel=variant.kernel,
+                    algorithm=algorithm_of(variant),
+                    mode=mode, ms=ms, ratio=ratio,
+                )  # fmt: skip
+            name = variant.name
+            if variant.kernel and variant.algorithms is None and kernel_takes:
+                name += searched(fan_out, fan_in)
+            rows.append([workload, name, *cells, *["-", "-"] * (2 - len(modes))])
+        del x, grad, layer
     return rows
 
 
-def vit_step_rows(args: argparse.Namespace, device: torch.device, timer: Timer) -> list:
-    import timm
-
-    size, batch = (28, 2) if args.cpu_smoke else (224, args.batch)
-    tokens = batch * (1 + (size // 14) ** 2)
-    workload = f"ViT-L/14 step, batch {batch} ({tokens} tokens)"
-    variants = [
-        ("dense", None),
-        ("2:4 semi_structured", "auto" if args.cpu_smoke else "semi_structured"),
-        ("2:4 masked (dense math)", "masked"),
+def mask_rows(
+    args: argparse.Namespace, device: torch.device, timer: Timer, records: Records
+) -> list[list[str]]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    masks = [
+        ("greedy_2to4_mask (the masked runtime step)", greedy_2to4_mask),
+        ("transposable_2to4_mask (torch-ops reference)", transposable_2to4_mask),
     ]
-    rows, dense = [], None
-    for label, backend in variants:
-        torch.manual_seed(0)
-        model = timm.create_model("vit_large_patch14_224", img_size=size).to(device)
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=1e-4, fused=device.type == "cuda"
-        )
-        if backend is not None:
-            Sparsifier(
-                "bench",
-                select_parameters(model, MLP_PARAMS).targets,
-                resolve_phases([Phase(sparsity="2:4")]),
-                backend=backend,
-                compute_dtype=torch.bfloat16 if device.type == "cuda" else None,
-            ).on_step_start(0, [opt])
-        forward = torch.compile(model) if args.compile else model
-        images = torch.randn(batch, 3, size, size, device=device)
-        labels = torch.randint(0, 1000, (batch,), device=device)
-
-        def step(forward=forward, opt=opt, images=images, labels=labels) -> None:
-            with torch.autocast(device.type, torch.bfloat16, device.type == "cuda"):
-                loss = nn.functional.cross_entropy(forward(images), labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        ms = timer(step)
-        dense = dense or ms
-        rows.append([workload, label, f"{ms:.1f}", f"{dense / ms:.2f}x"])
-        del model, opt, forward, step
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    rows = []
+    for shape in args.weights:
+        weight = f"{shape[0]}x{shape[1]}"
+        if args.deadline.passed(f"mask {weight}"):
+            continue
+        w = torch.randn(shape, device=device, dtype=dtype)
+        chosen = [project_eagerly(mask, w, dtype) for _, mask in masks]
+        agree = (chosen[0] == chosen[1]).float().mean().item()
+        for name, mask in masks:
+            step = functools.partial(project_eagerly, mask, w, dtype)
+            eager = timer(step)
+            graphed = graph_ms(step, timer, device)
+            rows.append([weight, name, f"{eager:.3f}", graphed, f"{agree:.4%}"])
+            records.add(
+                table="mask", weight=weight, function=mask.__name__, eager_ms=eager,
+                graphed_ms=_number(graphed), agree=agree,
+            )  # fmt: skip
     return rows
 
 
-def needs_cuda() -> str | None:
-    """Why this machine cannot run the benchmark, or ``None``."""
-    if not torch.cuda.is_available():
-        return (
-            "no CUDA GPU found (2:4 sparse tensor cores need compute capability 8.0+)"
-        )
-    found = torch.cuda.get_device_capability()
-    if found < capability.AMPERE:
-        return (
-            f"{torch.cuda.get_device_name()} has compute capability {found}, not 8.0+"
-        )
-    return None
+def packing_rows(
+    args: argparse.Namespace, device: torch.device, timer: Timer, records: Records
+) -> list[list[str]]:
+    dtype, cuda = torch.bfloat16, device.type == "cuda"
+    ours = cuda and cusparselt.packer_matches(dtype, device)
+    packers = [
+        ("lightning_sparse compress", compress, ours),
+        ("torch._cslt_compress", torch._cslt_compress, cuda and not ours),
+    ]
+    rows = []
+    for shape in args.weights:
+        weight = f"{shape[0]}x{shape[1]}"
+        if args.deadline.passed(f"packing {weight}"):
+            continue
+        w = torch.randn(shape, device=device, dtype=dtype)
+        w24 = w * greedy_2to4_mask(w)
+        for name, packer, in_use in packers:
+            if not cuda and packer is not compress:
+                rows.append([weight, name, "-", "n/a (CUDA only)", *["-"] * 5])
+                continue
+            steps = packing_steps(packer, w24)
+            eager = [timer(step) for step in steps]
+            graphed = [graph_ms(step, timer, device) for step in steps]
+            rows.append(
+                [weight, name, "yes" if in_use else "no" if cuda else "-"]
+                + [f"{ms:.3f}" for ms in eager]
+                + graphed
+            )
+            for what, ms, graph in zip(("W", "W.T", "W and W.T"), eager, graphed):
+                records.add(
+                    table="packing", weight=weight, packer=name, in_use=in_use,
+                    what=what, eager_ms=ms, graphed_ms=_number(graph),
+                )  # fmt: skip
+    return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def packing_steps(
+    packer: Callable[[torch.Tensor], torch.Tensor], w24: torch.Tensor
+) -> list[Callable[[], object]]:
+    """What a training step packs: ``W`` (forward), ``W.T`` made row-major (input gradient),
+    and both."""
+
+    def weight() -> torch.Tensor:
+        return packer(w24)
+
+    def transposed() -> torch.Tensor:
+        return packer(w24.t().contiguous())
+
+    return [weight, transposed, lambda: (weight(), transposed())]
+
+
+def graph_ms(step: Callable[[], object], timer: Timer, device: torch.device) -> str:
+    """Median ms of ``step`` replayed as a CUDA graph ("-" off a GPU, or why it failed)."""
+    if device.type != "cuda":
+        return "-"
+    try:
+        replay = cuda_graphed(step)
+    except RuntimeError as err:
+        return f"not capturable ({str(err).splitlines()[0][:80]})"
+    return f"{timer(replay):.3f}"
+
+
+def _number(cell: str) -> float | None:
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20, help="timed runs (median)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed runs first")
     parser.add_argument(
-        "--batch", type=int, default=48, help="ViT-L/14 images per step"
+        "--stages", nargs="+", choices=STAGES, default=list(STAGES), help="what to run"
     )
-    parser.add_argument("--no-step", action="store_true", help="skip the ViT-L/14 step")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the ViT")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[],
+        help="layers whose label contains one of these",
+    )
+    parser.add_argument(
+        "--compiled",
+        nargs="+",
+        default=COMPILED,
+        help="layers (label substrings, 'all' or 'none') also timed compiled",
+    )
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first")
+    parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser.add_argument("--time-limit", type=float, help="seconds; skip what is left")
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="check the script on the CPU"
     )
     args = parser.parse_args(argv)
+    linears = SMOKE_LINEARS if args.cpu_smoke else LINEARS
+    args.linears = [
+        linear
+        for linear in linears
+        if not args.shapes
+        or any(
+            s in f"{linear[0]}: {linear[1]}x{linear[2]} -> {linear[3]}"
+            for s in args.shapes
+        )
+    ]
+    args.weights = SMOKE_WEIGHTS if args.cpu_smoke else WEIGHTS
+    if args.cpu_smoke:
+        args.repeats, args.warmup = 1, 0
+        args.compiled = ["all"]
+    args.deadline = Deadline(args.time_limit)
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     if args.cpu_smoke:
         device = torch.device("cpu")
-        args.repeats, args.warmup = 1, 0
         where = "CPU smoke run: float32 emulation, timings meaningless"
     else:
-        missing = needs_cuda()
+        missing = cuda_problem()
         if missing:
             print(
                 f"benchmarks/sparse_linear.py needs CUDA: {missing}; nothing measured."
@@ -221,15 +387,38 @@ def main(argv: list[str] | None = None) -> None:
         where = f"{torch.cuda.get_device_name(device)}, bf16"
     print(
         f"torch {torch.__version__}, {where}; median of {args.repeats} runs after "
-        f"{args.warmup} warm-up runs\n"
+        f"{args.warmup} warm-up runs ({COMPILED_WARMUP} compiled)\n",
+        flush=True,
     )
-    timer = Timer(device, args.repeats, args.warmup)
-    header = ["workload", "variant", "ms (fwd+bwd)", "vs dense"]
-    print(markdown_table(header, linear_rows(args, device, timer)))
-    if not args.no_step:
-        print()
-        header[2] = "ms per step"
-        print(markdown_table(header, vit_step_rows(args, device, timer)))
+    timer, records = Timer(device, args.repeats, args.warmup), Records(args.json)
+    if "mask" in args.stages:
+        header = [
+            "weight",
+            "mask step",
+            "eager ms",
+            "CUDA graph ms",
+            "same as reference",
+        ]
+        print(markdown_table(header, mask_rows(args, device, timer, records)) + "\n")
+    if "packing" in args.stages:
+        header = [
+            "weight",
+            "packer",
+            "used by pack()",
+            "W ms",
+            "W.T ms",
+            "W and W.T ms",
+        ]
+        header += ["W graph ms", "W.T graph ms", "W and W.T graph ms"]
+        print(markdown_table(header, packing_rows(args, device, timer, records)) + "\n")
+    if "layers" in args.stages:
+        header = ["workload", "variant", "eager ms (fwd+bwd)", "vs dense"]
+        header += ["compiled ms", "vs dense"]
+        print(markdown_table(header, layer_rows(args, device, timer, records)) + "\n")
+    print("Kernel checks in this process:\n")
+    print(kernel_check_table())
+    if args.deadline.skipped:
+        print(f"\n{args.deadline.note()}")
 
 
 if __name__ == "__main__":

@@ -232,6 +232,20 @@ def _run_check(
     )
 
 
+def verdicts() -> list[KernelVerdict]:
+    """Every verdict this process has reached so far, in the order the checks ran (for
+    reports: which kernels ran, and why others did not).
+
+    Example:
+        >>> import torch
+        >>> register_kernel("doc-unpruned", lambda x, w, b: x @ w.T, label="no pruning")
+        >>> verdict = check_kernel("doc-unpruned", torch.float32, torch.device("cpu"))
+        >>> verdict in verdicts(), verdict.passed
+        (True, False)
+    """
+    return list(_VERDICTS.values())
+
+
 def forget_verdicts() -> None:
     """Drop every cached verdict (as a new process would start)."""
     _VERDICTS.clear()
