@@ -146,6 +146,22 @@ def cuda_problem() -> str | None:
     return None
 
 
+def benchmark_device(
+    script: str, cpu_smoke: bool, smoke: str
+) -> tuple[torch.device, str] | None:
+    """The device a benchmark runs on and how its header names it, or ``None`` (after saying
+    why) where it cannot run: the CPU for a smoke run (``smoke`` says what it runs), else a
+    CUDA GPU of compute capability 8.0+."""
+    if cpu_smoke:
+        return torch.device("cpu"), f"CPU smoke run: {smoke}, timings meaningless"
+    missing = cuda_problem()
+    if missing:
+        print(f"benchmarks/{script} needs CUDA: {missing}; nothing measured.")
+        return None
+    device = torch.device("cuda")
+    return device, f"{torch.cuda.get_device_name(device)}, bf16"
+
+
 def available_kernels(device: torch.device) -> list[str]:
     """The 2:4 training kernels of ``device``; on the CPU, their emulation."""
     if device.type != "cuda":

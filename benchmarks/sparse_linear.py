@@ -52,9 +52,9 @@ from common import (
     Records,
     Timer,
     available_kernels,
+    benchmark_device,
     compile_options,
     cuda_graphed,
-    cuda_problem,
     kernel_check_table,
     markdown_table,
     new_step,
@@ -373,18 +373,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    if args.cpu_smoke:
-        device = torch.device("cpu")
-        where = "CPU smoke run: float32 emulation, timings meaningless"
-    else:
-        missing = cuda_problem()
-        if missing:
-            print(
-                f"benchmarks/sparse_linear.py needs CUDA: {missing}; nothing measured."
-            )
-            return
-        device = torch.device("cuda")
-        where = f"{torch.cuda.get_device_name(device)}, bf16"
+    found = benchmark_device("sparse_linear.py", args.cpu_smoke, "float32 emulation")
+    if found is None:
+        return
+    device, where = found
     print(
         f"torch {torch.__version__}, {where}; median of {args.repeats} runs after "
         f"{args.warmup} warm-up runs ({COMPILED_WARMUP} compiled)\n",

@@ -49,8 +49,8 @@ from common import (
     Deadline,
     Records,
     Timer,
+    benchmark_device,
     compile_options,
-    cuda_problem,
     kernel_check_table,
     markdown_table,
     new_step,
@@ -286,16 +286,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    if args.cpu_smoke:
-        device = torch.device("cpu")
-        where = "CPU smoke run: tiny models, float32, timings meaningless"
-    else:
-        missing = cuda_problem()
-        if missing:
-            print(f"benchmarks/train_steps.py needs CUDA: {missing}; nothing measured.")
-            return
-        device = torch.device("cuda")
-        where = f"{torch.cuda.get_device_name(device)}, bf16"
+    found = benchmark_device("train_steps.py", args.cpu_smoke, "tiny models, float32")
+    if found is None:
+        return
+    device, where = found
     print(
         f"torch {torch.__version__}, {where}; median of {args.repeats} steps after "
         f"{args.warmup} warm-up steps (at least {COMPILED_WARMUP} compiled)\n",
