@@ -40,6 +40,7 @@ from torch import Tensor
 from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
 from lightning_sparse.backends.cusparselt_packer import compress, supports
 from lightning_sparse.backends.kernel_check import (
+    capturing,
     known_values,
     require_kernel,
     versions,
@@ -83,7 +84,7 @@ def packer_matches(dtype: torch.dtype, device: torch.device) -> bool:
     ``dtype`` (compared once; while a CUDA graph is captured, unknown counts as no)."""
     key = (dtype, device)
     if key not in _PACKER_MATCHES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             return False
         _PACKER_MATCHES[key] = _compare_packers(dtype, device)
     return _PACKER_MATCHES[key]
@@ -103,9 +104,9 @@ def _compare_packers(dtype: torch.dtype, device: torch.device) -> bool:
     w24 = weight * transposable_2to4_mask(weight)
     w24[:8, :8] = 0.0  # groups keeping 1 or none: padded
     w24[8, 1] = -0.0  # a pruned negative weight, as weight * mask leaves it
-    w24 = w24.to(device, dtype)
-    ours = [compress(w) for w in (w24, w24.t().contiguous())]
-    theirs = [torch._cslt_compress(w) for w in (w24, w24.t().contiguous())]
+    both = [w24.to(device, dtype), w24.t().contiguous().to(device, dtype)]
+    ours = [compress(w) for w in both]
+    theirs = [torch._cslt_compress(w) for w in both]
     same = all(
         a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
         for a, b in zip(ours, theirs)
@@ -126,9 +127,8 @@ _MM_ARGUMENTS = {
 }
 
 
-_TOKENS_MULTIPLE = (
-    8  # cuSPARSELt's 16-bit dense operands: rows padded as torch pads them
-)
+# cuSPARSELt's 16-bit dense operands: rows padded to a multiple of this, as torch pads them
+_TOKENS_MULTIPLE = 8
 
 
 def _sparse_mm(w24: Tensor, dense: Tensor, bias: Tensor | None) -> Tensor:

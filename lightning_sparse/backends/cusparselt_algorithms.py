@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse.backends.kernel_check import capturing
+
 
 @dataclass(frozen=True)
 class Algorithm:
@@ -94,10 +96,7 @@ class AlgorithmCache:
             transpose_result,
         )
         if key not in self.chosen:
-            if (
-                packed.device.type == "cuda"
-                and torch.cuda.is_current_stream_capturing()
-            ):
+            if capturing(packed.device):
                 return DEFAULT
             self.chosen[key] = self.search(packed, dense, bias, transpose_result)
         return self.chosen[key]

@@ -131,7 +131,7 @@ def require_kernel(name: str, dtype: torch.dtype, device: torch.device) -> None:
         return
     verdict = _VERDICTS.get(key)
     if verdict is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             raise KernelCheckError(
                 f"the 2:4 kernel {name!r} is captured into a CUDA graph before it was "
                 f"checked; run one step eagerly first (as torch.compile's warm-up does)"
@@ -139,6 +139,12 @@ def require_kernel(name: str, dtype: torch.dtype, device: torch.device) -> None:
         verdict = check_kernel(name, dtype, device)
     if not verdict.passed:
         raise KernelCheckError(verdict.reason)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s stream (nothing may then
+    synchronize: no check, comparison or search can run)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _normalized(device: torch.device) -> torch.device:
