@@ -11,9 +11,10 @@
   which the two masks agree (they may differ only where ``|w|`` ties within a tile).
 - ``packing``: cuSPARSELt's compressed form of a greedy 2:4 weight ``W`` and of ``W.T`` (what a
   training step packs, for the forward and the input gradient; ``W.T`` includes the copy that
-  makes it row-major) by our packer (``cusparselt_packer.compress``) and by
-  ``torch._cslt_compress`` at the same shapes; eager and as a CUDA graph (how it runs inside a
-  compiled step); which of the two ``cusparselt.pack`` uses on this GPU.
+  makes it row-major) by our packer (``cusparselt_packer.compress``, what runtime masks use),
+  by our packer at a stored mask (values gathered at positions packed at the last mask update,
+  ``cusparselt.mask_packing``) and by ``torch._cslt_compress``, at the same shapes; eager and
+  as a CUDA graph (how it runs inside a compiled step); which of them training uses here.
 - ``layers``: forward + backward (input, weight and bias gradients) of bf16 ``nn.Linear``
   layers at ViT-L MLP shapes (13008 and 32896 tokens), ViT-B (25216 tokens = 128 x 197),
   GPT-2 small (8192 tokens) and Llama-7B MLP up/down (16384 tokens): dense; the runtime 2:4
@@ -61,6 +62,7 @@ from common import (
 )
 
 from lightning_sparse.backends import capability, cusparselt
+from lightning_sparse.backends.cusparselt import mask_packing
 from lightning_sparse.backends.cusparselt_algorithms import DEFAULT, AlgorithmCache
 from lightning_sparse.backends.cusparselt_packer import compress
 from lightning_sparse.backends.masked import (
@@ -264,50 +266,58 @@ def packing_rows(
 ) -> list[list[str]]:
     dtype, cuda = torch.bfloat16, device.type == "cuda"
     ours = cuda and cusparselt.packer_matches(dtype, device)
-    packers = [
-        ("lightning_sparse compress", compress, ours),
-        ("torch._cslt_compress", torch._cslt_compress, cuda and not ours),
-    ]
     rows = []
     for shape in args.weights:
         weight = f"{shape[0]}x{shape[1]}"
         if args.deadline.passed(f"packing {weight}"):
             continue
         w = torch.randn(shape, device=device, dtype=dtype)
-        w24 = w * greedy_2to4_mask(w)
-        for name, packer, in_use in packers:
-            if not cuda and packer is not compress:
+        keep = greedy_2to4_mask(w)
+        w24, stored = w * keep, mask_packing(keep, keep)
+        packers = [  # name, packer of W, of W.T, what it packs, what training uses it for
+            ("lightning_sparse compress", compress, compress, w24,
+             "runtime masks" if ours else "no"),
+            ("lightning_sparse at a stored mask", stored.rows.compress,
+             stored.columns.compress, w, "stored masks" if ours else "no"),
+            ("torch._cslt_compress", torch._cslt_compress, torch._cslt_compress, w24,
+             "no" if ours else "all masks"),
+        ]  # fmt: skip
+        for name, pack, pack_t, source, used in packers:
+            if not cuda and name.startswith("torch."):
                 rows.append([weight, name, "-", "n/a (CUDA only)", *["-"] * 5])
                 continue
-            steps = packing_steps(packer, w24)
+            steps = packing_steps(pack, pack_t, source)
             eager = [timer(step) for step in steps]
             graphed = [graph_ms(step, timer, device) for step in steps]
             rows.append(
-                [weight, name, "yes" if in_use else "no" if cuda else "-"]
+                [weight, name, used if cuda else "-"]
                 + [f"{ms:.3f}" for ms in eager]
                 + graphed
             )
+            table = "packing_stored" if "stored" in name else "packing"
             for what, ms, graph in zip(("W", "W.T", "W and W.T"), eager, graphed):
                 records.add(
-                    table="packing", weight=weight, packer=name, in_use=in_use,
+                    table=table, weight=weight, packer=name, in_use=used != "no",
                     what=what, eager_ms=ms, graphed_ms=_number(graph),
                 )  # fmt: skip
     return rows
 
 
 def packing_steps(
-    packer: Callable[[torch.Tensor], torch.Tensor], w24: torch.Tensor
+    pack: Callable[[torch.Tensor], torch.Tensor],
+    pack_t: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,
 ) -> list[Callable[[], object]]:
     """What a training step packs: ``W`` (forward), ``W.T`` made row-major (input gradient),
     and both."""
 
-    def weight() -> torch.Tensor:
-        return packer(w24)
+    def rows() -> torch.Tensor:
+        return pack(weight)
 
-    def transposed() -> torch.Tensor:
-        return packer(w24.t().contiguous())
+    def columns() -> torch.Tensor:
+        return pack_t(weight.t().contiguous())
 
-    return [weight, transposed, lambda: (weight(), transposed())]
+    return [rows, columns, lambda: (rows(), columns())]
 
 
 def graph_ms(step: Callable[[], object], timer: Timer, device: torch.device) -> str:
@@ -396,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         header = [
             "weight",
             "packer",
-            "used by pack()",
+            "training uses it for",
             "W ms",
             "W.T ms",
             "W and W.T ms",

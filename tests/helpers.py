@@ -306,6 +306,33 @@ def pretend_gpu(
     monkeypatch.setattr(cap, "cusparselt_available", lambda: cusparselt)
 
 
+def dense_cusparselt(monkeypatch: Any, packer_matches: bool = True) -> list[tuple]:
+    """Run the cuSPARSELt custom ops on the CPU: their matmul is dense math on the weight that
+    the packed bytes hold (unpacked by our packer), ``torch._cslt_compress`` returns the dense
+    2:4 weight as it is, and our packer counts as matching it (or not). Returns the calls'
+    ``(packed shape, tokens)``."""
+    import torch.nn.functional as F
+
+    from lightning_sparse.backends import cusparselt
+    from lightning_sparse.backends.cusparselt_packer import unpack
+
+    calls: list[tuple] = []
+
+    def sparse_mm(packed, out_features, dense, bias):
+        calls.append((tuple(packed.shape), dense.shape[0]))
+        shape = (out_features, dense.shape[1])
+        w24 = packed if tuple(packed.shape) == shape else unpack(packed, shape)
+        return F.linear(dense, w24, bias)
+
+    monkeypatch.setattr(cusparselt, "_sparse_mm", sparse_mm)
+    monkeypatch.setattr(torch, "_cslt_compress", lambda w24: w24.clone())
+    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(
+        cusparselt, "_compare_packers", lambda dtype, device: packer_matches
+    )
+    return calls
+
+
 def demo_trainer(**kwargs: Any) -> L.Trainer:
     """A fast trainer that also validates (2 batches, with the sanity check): for demo models."""
     return fast_trainer(

@@ -7,12 +7,17 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CompiledTiny, RepeatedBatch, fast_trainer, pretend_gpu
+from helpers import (
+    CompiledTiny,
+    RepeatedBatch,
+    dense_cusparselt,
+    fast_trainer,
+    pretend_gpu,
+)
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
-from lightning_sparse.backends import cusparselt
 from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
@@ -117,9 +122,7 @@ def test_compiled_layer_follows_swaps_both_ways():
 def test_kernel_path_traces_with_a_stand_in_kernel(monkeypatch):
     """The cuSPARSELt custom ops (pruning, matmul, their straight-through backward) and the
     casts under AOTAutograd, with a dense stand-in for cuSPARSELt's matmul."""
-    monkeypatch.setattr(
-        cusparselt, "_sparse_mm", lambda w24, dense, bias: F.linear(dense, w24, bias)
-    )
+    dense_cusparselt(monkeypatch)
     monkeypatch.setattr(ss, "kernel_runs", lambda weight, dtype: True)
     torch.manual_seed(0)
     layer = nn.Linear(32, 16)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import pretend_gpu
+from helpers import dense_cusparselt, pretend_gpu
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -21,9 +21,7 @@ from lightning_sparse.masks.tiles import transposable_2to4_mask
 @pytest.fixture
 def dense_stand_in(monkeypatch):
     """cuSPARSELt's matmul replaced by dense math, so the ops run on the CPU."""
-    monkeypatch.setattr(
-        cusparselt, "_sparse_mm", lambda w24, dense, bias: F.linear(dense, w24, bias)
-    )
+    return dense_cusparselt(monkeypatch)
 
 
 def test_the_ops_pass_opcheck(dense_stand_in):

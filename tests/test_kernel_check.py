@@ -36,22 +36,22 @@ from lightning_sparse.masks.tiles import (
 WIDTH = 128  # TinyNet's fc1 and fc2 become 128x128: cuSPARSELt's shapes
 
 
-def right(x, weight, bias, mask):
+def right(x, weight, bias, mask, packing=None):
     if mask is None:
         mask = transposable_2to4_mask(weight.detach())
     return F.linear(x, straight_through_mask(weight, mask), bias)
 
 
-def wrong(x, weight, bias, mask):
+def wrong(x, weight, bias, mask, packing=None):
     """A scrambled map, as a packed layout the library misreads gives."""
     return right(x, weight.flip(1), bias, mask)
 
 
-def raising(x, weight, bias, mask):
+def raising(x, weight, bias, mask, packing=None):
     raise RuntimeError("CUDA error: misaligned address")
 
 
-def wrong_at_128_inputs(x, weight, bias, mask):
+def wrong_at_128_inputs(x, weight, bias, mask, packing=None):
     """Right at the kernel check's shape, wrong where a layer has 128 inputs."""
     return (wrong if weight.shape[1] == 128 else right)(x, weight, bias, mask)
 
@@ -65,7 +65,7 @@ def inject(monkeypatch):
     calls: list[str] = []
 
     def install(linear):
-        def recorded(x, weight, bias, mask):
+        def recorded(x, weight, bias, mask, packing=None):
             key = ("cusparselt", weight.dtype, weight.device)
             verdict = kernel_check._VERDICTS.get(key)
             checking = key in kernel_check._RUNNING
@@ -126,7 +126,19 @@ def test_the_check_runs_once_per_process_and_its_verdict_is_kept(inject):
     calls = inject(right)
     for _ in range(3):
         check_kernel("cusparselt", torch.bfloat16, torch.device("cpu"))
-    assert calls == ["check"]
+    assert calls == ["check", "check"]  # the projected and the stored-mask paths, once
+
+
+def test_a_kernel_wrong_only_with_a_stored_mask_fails_the_check(inject):
+    """Stored-mask phases pack at the mask's positions (another code path): checked too."""
+    calls = inject(
+        lambda x, w, b, mask, packing=None: (right if mask is None else wrong)(
+            x, w, b, mask, packing
+        )
+    )
+    with pytest.warns(RuntimeWarning, match="wrong results"):
+        verdict = check_kernel("cusparselt", torch.bfloat16, torch.device("cpu"))
+    assert not verdict.passed and calls == ["check", "check"]
 
 
 @pytest.mark.parametrize("kernel", [wrong, raising], ids=["wrong", "raising"])
@@ -136,7 +148,7 @@ def test_a_failing_kernel_runs_masked_from_fit_start_and_says_why(
     calls = inject(kernel)
     with pytest.warns(RuntimeWarning, match="not used in this process"):
         _, cb = fit()
-    assert calls == ["check"]  # never run outside the check
+    assert set(calls) == {"check"}  # never run outside the check
     for param in ("net.fc1.weight", "net.fc2.weight"):
         assert choice(cb, param).name == "masked"
         assert "in the kernel check" in choice(cb, param).reason
@@ -157,7 +169,8 @@ def test_a_right_kernel_runs_only_after_passing_the_check(inject):
     calls = inject(right)
     _, cb = fit()
     assert choice(cb).name == "semi_structured" and choice(cb).kernel == "cusparselt"
-    assert calls[0] == "check" and set(calls[1:]) == {"passed"} and len(calls) > 1
+    assert calls[:2] == ["check", "check"]  # both code paths, before any training step
+    assert set(calls[2:]) == {"passed"} and len(calls) > 2
 
 
 def test_no_kernel_runs_before_its_check_and_none_after_it_failed(inject):
@@ -232,14 +245,14 @@ def test_a_resume_checks_again_in_the_new_process(inject, tmp_path):
     saving = [StopAt(2), ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2)]
     with pytest.warns(RuntimeWarning):
         _, cb = fit(steps=8, callbacks=saving)
-    assert choice(cb).name == "masked" and calls == ["check"]
+    assert choice(cb).name == "masked" and set(calls) == {"check"}
 
     forget_verdicts()  # a new process, on a GPU where the kernel is right
     calls.clear()
     inject(right)
     _, resumed = fit(steps=8, ckpt_path=tmp_path / "step=2.ckpt")
     assert choice(resumed).name == "semi_structured"
-    assert calls[0] == "check" and set(calls[1:]) == {"passed"}
+    assert calls[:2] == ["check", "check"] and set(calls[2:]) == {"passed"}
 
 
 def test_the_tile_kernel_chooses_masks_only_for_cuda_16_bit_multiples_of_128():

@@ -119,7 +119,7 @@ def stand_in_kernel(monkeypatch):
     everywhere. Records the dtype of every call (the kernel check's included)."""
     calls = []
 
-    def linear(x, weight, bias, mask):
+    def linear(x, weight, bias, mask, packing=None):
         calls.append(weight.dtype)
         if mask is None:
             mask = transposable_2to4_mask(weight.detach())

@@ -208,8 +208,16 @@ def test_linear_forward_and_backward_shapes(fake_cuda, kernel, dtype, shape, mas
     weight = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
     bias = torch.randn(out_features, device="cuda", dtype=dtype, requires_grad=True)
     mask = torch.ones(shape, device="cuda", dtype=torch.bool) if masked else None
+    # a stored mask on cuSPARSELt runs with its packing, made as install makes it
+    packing = (
+        cusparselt.mask_packing(mask, mask)
+        if masked and kernel == "cusparselt" and cusparselt.packs_stored_masks(shape)
+        else None
+    )
     x = torch.randn(3, 100, in_features, device="cuda", dtype=dtype, requires_grad=True)
-    out = ss.semi_structured_linear(x, weight, bias, kernel, mask)  # 300 tokens: padded
+    out = ss.semi_structured_linear(
+        x, weight, bias, kernel, mask, packing
+    )  # 300 tokens
     assert (out.shape, out.dtype, out.device) == (
         (3, 100, out_features),
         dtype,
@@ -243,8 +251,10 @@ def test_installed_module_runs_forward_and_backward(fake_cuda, kernel, dtype):
     )
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["runtime", "stored_mask"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_compile_traces_the_cusparselt_layer(fake_cuda, dtype):
+def test_compile_traces_the_cusparselt_layer(fake_cuda, monkeypatch, dtype, stored):
+    monkeypatch.setattr(ss, "is_transposable_2to4", lambda mask: True)  # no data here
     graphs = []
 
     def keep(gm, example_inputs):
@@ -252,14 +262,22 @@ def test_compile_traces_the_cusparselt_layer(fake_cuda, dtype):
         return gm.forward
 
     layer = nn.Linear(512, 256, device="cuda", dtype=dtype).requires_grad_(False)
-    ss.install_semi_structured_forward(layer, "cusparselt")
+    mask = torch.ones(256, 512, device="cuda", dtype=torch.bool) if stored else None
+    ss.install_semi_structured_forward(layer, "cusparselt", mask)
     compiled = torch.compile(
         layer, backend=aot_autograd(fw_compiler=keep), fullgraph=True
     )
     out = compiled(torch.randn(4, 7, 512, device="cuda", dtype=dtype))
     assert (out.shape, out.dtype) == ((4, 7, 256), dtype)
-    (code,) = graphs  # one graph: the pruning and the sparse matmul traced, no break
-    assert "lightning_sparse.prune_24" in code and "lightning_sparse.linear_24" in code
+    (code,) = (
+        graphs  # one graph: the pruning (or packing) and the sparse matmul, no break
+    )
+    if stored:
+        assert "lightning_sparse.linear_24_stored" in code and "prune_24" not in code
+    else:
+        assert (
+            "lightning_sparse.prune_24" in code and "lightning_sparse.linear_24" in code
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

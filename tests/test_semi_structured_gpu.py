@@ -73,17 +73,27 @@ def test_kernel_chooses_the_greedy_mask_on_tie_free_weights(kernel):
 
 @pytest.mark.parametrize("kernel", kernels())
 @pytest.mark.parametrize("autocast", [False, True])
-def test_kernel_matches_emulation_outputs_and_gradients(kernel, autocast):
+@pytest.mark.parametrize("stored", [False, True], ids=["runtime", "stored_mask"])
+def test_kernel_matches_emulation_outputs_and_gradients(kernel, autocast, stored):
+    # a stored mask other than the weight's own greedy one, so that it is the one used
+    mask = (
+        transposable_2to4_mask(known_values(256, 512, seed=1)).cuda()
+        if stored
+        else None
+    )
+
     def layer(kind):
         module = nn.Linear(512, 256).cuda()
         with torch.no_grad():
             module.weight.copy_(tie_free(256, 512))
         if not autocast:
             module.bfloat16()
-        install_semi_structured_forward(module, kind)
+        install_semi_structured_forward(module, kind, mask)
         return module
 
     sparse, emulated = layer(kernel), layer("emulated")
+    if stored and kernel == "cusparselt":  # packed at the mask's positions
+        assert sparse._ls_packing is not None
     x = torch.randn(3, 100, 512, device="cuda")  # 300 tokens: not a multiple of 8 or 16
     x = x if autocast else x.bfloat16()
     xs, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -226,7 +236,7 @@ def test_the_kernel_check_catches_the_tile_ops_cusparselt_packing_where_it_is_wr
         return F.linear(x, sparse, bias)
 
     register_kernel(
-        "tile-op cuSPARSELt", tile_packed, "the tile op's packing", trains=False
+        "tile-op cuSPARSELt", tile_packed, label="the tile op's packing", trains=False
     )
     verdict = check_kernel("tile-op cuSPARSELt", torch.bfloat16, torch.device("cuda"))
     if verdict.passed:
@@ -236,7 +246,9 @@ def test_the_kernel_check_catches_the_tile_ops_cusparselt_packing_where_it_is_wr
 
 @pytest.mark.skipif(not cap.cusparselt_available(), reason="no cuSPARSELt")
 def test_a_failed_check_keeps_every_entry_point_off_the_kernel(monkeypatch):
-    monkeypatch.setitem(ss.KERNELS, "cusparselt", lambda x, w, b, mask: -x @ w.T)
+    monkeypatch.setitem(
+        ss.KERNELS, "cusparselt", lambda x, w, b, mask, packing: -x @ w.T
+    )
     with pytest.warns(RuntimeWarning, match="wrong results"):
         verdict = check_kernel("cusparselt", torch.bfloat16, torch.device("cuda"))
     assert not verdict.passed

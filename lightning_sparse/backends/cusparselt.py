@@ -9,6 +9,10 @@
   the input gradient ``grad @ W24`` (``lightning_sparse::linear_24_input_grad``) and computes
   the weight gradient ``grad.T @ x`` densely (straight-through to the weight).
 
+- ``lightning_sparse::linear_24_stored(x, weight, bias, mask, ...)``: the same product for a
+  stored mask, with what the mask fixes of the packed format (its :class:`MaskPacking`, made
+  at each mask update by :func:`mask_packing`), so that each step only gathers the values.
+
 Packing uses our packer (:mod:`~lightning_sparse.backends.cusparselt_packer`, at memory speed)
 where its bytes equal those of cuSPARSELt's own ``torch._cslt_compress`` on the running GPU
 (compared once per process, dtype and device, on weights with padded groups and negative
@@ -32,13 +36,20 @@ Example (shapes only, on fake CUDA tensors):
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
-from lightning_sparse.backends.cusparselt_packer import compress, supports
+from lightning_sparse.backends.cusparselt_packer import (
+    DTYPES,
+    Packing,
+    compress,
+    packing,
+    supports,
+)
 from lightning_sparse.backends.kernel_check import (
     capturing,
     known_values,
@@ -131,15 +142,18 @@ _MM_ARGUMENTS = {
 _TOKENS_MULTIPLE = 8
 
 
-def _sparse_mm(w24: Tensor, dense: Tensor, bias: Tensor | None) -> Tensor:
-    """``dense @ w24.T + bias`` for a row-major ``dense`` of shape ``(tokens, in)``."""
-    require_kernel(KERNEL, w24.dtype, w24.device)
+def _sparse_mm(
+    packed: Tensor, out_features: int, dense: Tensor, bias: Tensor | None
+) -> Tensor:
+    """``dense @ W24.T + bias`` for a row-major ``dense`` of shape ``(tokens, in)``, where
+    ``packed`` is the ``(out_features, in)`` weight ``W24`` in cuSPARSELt's format."""
+    require_kernel(KERNEL, packed.dtype, packed.device)
     tokens = dense.shape[0]
     padding = -tokens % _TOKENS_MULTIPLE
     if padding:
         dense = F.pad(dense, (0, 0, 0, padding))
-    packed, dense_t = pack(w24), dense.t()
-    algorithm = ALGORITHMS.choose(packed, dense_t, bias, out_features=w24.shape[0])
+    dense_t = dense.t()
+    algorithm = ALGORITHMS.choose(packed, dense_t, bias, out_features=out_features)
     options = {
         "alg_id": algorithm.alg_id,
         "split_k": algorithm.split_k,
@@ -158,7 +172,7 @@ def _sparse_mm(w24: Tensor, dense: Tensor, bias: Tensor | None) -> Tensor:
 @torch.library.custom_op("lightning_sparse::linear_24", mutates_args=())
 def linear_24(x: Tensor, w24: Tensor, bias: Tensor | None) -> Tensor:
     """``x @ w24.T + bias`` on cuSPARSELt: ``x`` (tokens, in) row-major, ``w24`` (out, in)."""
-    return _sparse_mm(w24, x, bias)
+    return _sparse_mm(pack(w24), w24.shape[0], x, bias)
 
 
 @linear_24.register_fake
@@ -169,7 +183,7 @@ def _(x: Tensor, w24: Tensor, bias: Tensor | None) -> Tensor:
 @torch.library.custom_op("lightning_sparse::linear_24_input_grad", mutates_args=())
 def linear_24_input_grad(grad: Tensor, w24: Tensor) -> Tensor:
     """``grad @ w24`` on cuSPARSELt (``w24.T`` packed): the input gradient of ``linear_24``."""
-    return _sparse_mm(w24.t().contiguous(), grad, None)
+    return _sparse_mm(pack(w24.t().contiguous()), w24.shape[1], grad, None)
 
 
 @linear_24_input_grad.register_fake
@@ -213,10 +227,183 @@ linear_24_input_grad.register_autograd(
 )
 
 
-def cusparselt_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, mask: Tensor | None
+@dataclass(frozen=True, eq=False)
+class MaskPacking:
+    """What a stored transposable 2:4 mask fixes of the packed ``W`` and ``W.T``: each group's
+    stored positions and the metadata bytes (:class:`~lightning_sparse.backends.cusparselt_packer.Packing`).
+
+    Made by :func:`mask_packing` when the mask is installed and at each mask update (the engine
+    reinstalls the forward then), and refreshed in place, so a compiled graph or CUDA graph that
+    holds these tensors reads the current mask's packing. ``version`` is the stored mask's
+    version counter when it was made: an eager forward that finds the mask changed since then
+    packs it again.
+    """
+
+    mask: Tensor
+    """The ``(out, in)`` bool mask matrix (a copy where the stored mask is laid out otherwise)."""
+    rows: Packing
+    """The packing of ``W`` (the forward's weight)."""
+    columns: Packing
+    """The packing of ``W.T`` (the input gradient's weight)."""
+    version: int
+
+
+def packs_stored_masks(shape: tuple[int, ...]) -> bool:
+    """Whether :func:`mask_packing` packs a stored mask of this ``(out, in)`` shape (one our
+    packer knows the layout of, in both orientations)."""
+    return supports(shape, DTYPES[0])
+
+
+def mask_packing(
+    matrix: Tensor, stored: Tensor, previous: MaskPacking | None = None
+) -> MaskPacking:
+    """The :class:`MaskPacking` of the bool ``(out, in)`` mask ``matrix`` (``stored``: the
+    mask as the engine keeps it, whose version counter is recorded), written into
+    ``previous``'s tensors when it has the same shape. The shape must
+    :func:`packs_stored_masks`.
+
+    Example:
+        >>> import torch
+        >>> mask = torch.zeros(128, 256, dtype=torch.bool)
+        >>> mask[:, 0::4] = mask[:, 1::4] = True
+        >>> first = mask_packing(mask, mask)
+        >>> _ = mask.copy_(mask.roll(2, dims=1))  # an update in place, then a reinstall
+        >>> again = mask_packing(mask, mask, previous=first)
+        >>> again.rows.keys is first.rows.keys, torch.equal(again.rows.metadata, packing(mask).metadata)
+        (True, True)
+    """
+    rows, columns = packing(matrix), packing(matrix.t().contiguous())
+    version = stored._version
+    if previous is None or previous.rows.shape != rows.shape:
+        return MaskPacking(matrix.clone(), rows, columns, version)
+    previous.mask.copy_(matrix)
+    for old, new in ((previous.rows, rows), (previous.columns, columns)):
+        old.keys.copy_(new.keys)
+        old.metadata.copy_(new.metadata)
+    return MaskPacking(previous.mask, previous.rows, previous.columns, version)
+
+
+def _pack_stored(
+    weight: Tensor, mask: Tensor, keys: Tensor, metadata: Tensor
 ) -> Tensor:
-    """``x @ W24.T + bias``: ``W24`` is ``weight * mask`` (a transposable 2:4 mask), or the
-    greedy 2:4 projection of ``weight``; gradients straight through to ``weight``."""
+    """``weight * mask`` in cuSPARSELt's format: gathered at the stored positions by our
+    packer where it matches ``torch._cslt_compress``, else by ``torch._cslt_compress``."""
+    if packer_matches(weight.dtype, weight.device):
+        return Packing(tuple(weight.shape), keys, metadata).compress(weight)
+    return torch._cslt_compress(weight * mask)
+
+
+@torch.library.custom_op("lightning_sparse::linear_24_stored", mutates_args=())
+def linear_24_stored(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    mask: Tensor,
+    keys: Tensor,
+    metadata: Tensor,
+    keys_t: Tensor,
+    metadata_t: Tensor,
+) -> Tensor:
+    """``x @ (weight * mask).T + bias`` on cuSPARSELt, the weight packed at the stored mask's
+    positions (``keys``/``metadata``: its packing; ``keys_t``/``metadata_t``: its transpose's)."""
+    return _sparse_mm(
+        _pack_stored(weight, mask, keys, metadata), weight.shape[0], x, bias
+    )
+
+
+@linear_24_stored.register_fake
+def _(x, weight, bias, mask, keys, metadata, keys_t, metadata_t):  # type: ignore[no-untyped-def]
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op(
+    "lightning_sparse::linear_24_stored_input_grad", mutates_args=()
+)
+def linear_24_stored_input_grad(
+    grad: Tensor,
+    weight: Tensor,
+    mask: Tensor,
+    keys: Tensor,
+    metadata: Tensor,
+    keys_t: Tensor,
+    metadata_t: Tensor,
+) -> Tensor:
+    """``grad @ (weight * mask)`` on cuSPARSELt: the input gradient of ``linear_24_stored``."""
+    packed = _pack_stored(
+        weight.t().contiguous(), mask.t().contiguous(), keys_t, metadata_t
+    )
+    return _sparse_mm(packed, weight.shape[1], grad, None)
+
+
+@linear_24_stored_input_grad.register_fake
+def _(grad, weight, mask, keys, metadata, keys_t, metadata_t):  # type: ignore[no-untyped-def]
+    return grad.new_empty((grad.shape[0], weight.shape[1]))
+
+
+def _setup_stored(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    x, weight, bias, *packing_ = inputs
+    ctx.save_for_backward(x, weight, *packing_)
+    ctx.has_bias = bias is not None
+
+
+def _backward_stored(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    x, weight, *packing_ = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = (
+        linear_24_stored_input_grad(grad, weight, *packing_)
+        if ctx.needs_input_grad[0]
+        else None
+    )
+    grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None  # straight-through
+    grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+linear_24_stored.register_autograd(_backward_stored, setup_context=_setup_stored)
+
+
+def _setup_stored_input_grad(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_stored_input_grad(ctx, grad_out: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    grad, weight, *packing_ = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_grad = (
+        linear_24_stored(grad_out, weight, None, *packing_)
+        if ctx.needs_input_grad[0]
+        else None
+    )
+    grad_w = grad.t() @ grad_out if ctx.needs_input_grad[1] else None
+    return grad_grad, grad_w, None, None, None, None, None
+
+
+linear_24_stored_input_grad.register_autograd(
+    _backward_stored_input_grad, setup_context=_setup_stored_input_grad
+)
+
+
+def cusparselt_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    mask: Tensor | None,
+    packing: MaskPacking | None = None,
+) -> Tensor:
+    """``x @ W24.T + bias``: ``W24`` is ``weight * mask`` (a transposable 2:4 mask; with its
+    ``packing``, packed at its stored positions), or the greedy 2:4 projection of ``weight``;
+    gradients straight through to ``weight``."""
+    if packing is not None:
+        rows, columns = packing.rows, packing.columns
+        return linear_24_stored(
+            x,
+            weight,
+            bias,
+            packing.mask,
+            rows.keys,
+            rows.metadata,
+            columns.keys,
+            columns.metadata,
+        )
     w24 = prune_24(weight) if mask is None else straight_through_mask(weight, mask)
     return linear_24(x, w24, bias)

@@ -52,10 +52,15 @@ class _PackCutlass(torch.autograd.Function):
 
 @torch.compiler.disable
 def cutlass_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, mask: Tensor | None
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    mask: Tensor | None,
+    packing: object = None,
 ) -> Tensor:
     """``x @ W24.T + bias``: ``W24`` is the greedy 2:4 projection of ``weight * mask`` (a
-    transposable mask survives it unchanged) or of ``weight``; straight-through gradients."""
+    transposable mask survives it unchanged) or of ``weight``; straight-through gradients.
+    (``packing`` is cuSPARSELt's packing of a stored mask: CUTLASS packs its own.)"""
     if mask is not None:
         weight = straight_through_mask(weight, mask)
     return F.linear(x, _PackCutlass.apply(weight), bias)

@@ -69,7 +69,7 @@ class KernelVerdict:
 
 @dataclass(frozen=True)
 class _Kernel:
-    linear: Linear24
+    linears: tuple[Linear24, ...]
     label: str
     prunes: bool
     trains: bool
@@ -87,17 +87,21 @@ class KernelCheckError(RuntimeError):
 
 def register_kernel(
     name: str,
-    linear: Linear24,
+    *linears: Linear24,
     label: str,
     prunes: bool = True,
     trains: bool = True,
     describe: Callable[[torch.dtype, torch.device], str] | None = None,
 ) -> None:
-    """Make ``linear`` the kernel ``name`` that :func:`check_kernel` runs. ``label`` names
-    it in messages (e.g. ``"cuSPARSELt"``); ``prunes=False``: it is given a 2:4 weight;
-    ``trains=False``: only its forward is checked (inference); ``describe(dtype, device)``
-    says, after a passed check, how it runs there (the verdict's ``note``)."""
-    _KERNELS[name] = _Kernel(linear, label, prunes, trains, describe)
+    """Make ``linears`` the kernel ``name`` that :func:`check_kernel` runs: each code path
+    that runs it (e.g. a weight pruned at every forward, and one with a stored mask), all
+    checked. ``label`` names it in messages (e.g. ``"cuSPARSELt"``); ``prunes=False``: it is
+    given a 2:4 weight; ``trains=False``: only its forward is checked (inference);
+    ``describe(dtype, device)`` says, after a passed check, how it runs there (the
+    verdict's ``note``)."""
+    if not linears:
+        raise TypeError(f"register_kernel({name!r}) needs at least one linear")
+    _KERNELS[name] = _Kernel(linears, label, prunes, trains, describe)
     for key in [key for key in _VERDICTS if key[0] == name]:
         del _VERDICTS[key]
 
@@ -203,19 +207,20 @@ def _run_check(
     reference = [x @ w24.T]
     if kernel.trains:
         reference += [grad @ w24, grad.T @ x]
-    given = (
-        (weight if kernel.prunes else w24)
-        .to(device, dtype)
-        .requires_grad_(kernel.trains)
-    )
-    x_in = x.to(device, dtype).requires_grad_(kernel.trains)
     where = f"{kernel.label} on {versions(device)}, {str(dtype).removeprefix('torch.')}"
     try:
-        out = kernel.linear(x_in, given, None)
-        got = [out]
-        if kernel.trains:
-            out.backward(grad.to(device, dtype))
-            got += [x_in.grad, given.grad]
+        got = [
+            _run(
+                linear,
+                x,
+                weight if kernel.prunes else w24,
+                grad,
+                kernel.trains,
+                dtype,
+                device,
+            )
+            for linear in kernel.linears
+        ]
     except Exception as err:  # noqa: BLE001 (any failure of a kernel means: do not use it)
         first_line = (str(err).strip().splitlines() or [""])[0][:200]
         return KernelVerdict(
@@ -224,7 +229,11 @@ def _run_check(
             None,
             f"{where} raised {type(err).__name__} in the kernel check ({first_line})",
         )
-    error = max(relative_error(g.detach().cpu(), r) for g, r in zip(got, reference))
+    error = max(
+        relative_error(g.detach().cpu(), r)
+        for outputs in got
+        for g, r in zip(outputs, reference)
+    )
     if error <= TOLERANCE:
         note = kernel.describe(dtype, device) if kernel.describe else ""
         return KernelVerdict(
@@ -236,6 +245,26 @@ def _run_check(
         error,
         f"{where} gave wrong results in the kernel check (relative error {error:.2g})",
     )
+
+
+def _run(
+    linear: Linear24,
+    x: Tensor,
+    weight: Tensor,
+    grad: Tensor,
+    trains: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[Tensor]:
+    """``linear``'s output and, when it trains, its input and weight gradients."""
+    # copies: each path gets leaves of its own, so gradients do not accumulate across paths
+    given = weight.to(device, dtype, copy=True).requires_grad_(trains)
+    x_in = x.to(device, dtype, copy=True).requires_grad_(trains)
+    out = linear(x_in, given, None)
+    if not trains:
+        return [out]
+    out.backward(grad.to(device, dtype))
+    return [out, x_in.grad, given.grad]
 
 
 def verdicts() -> list[KernelVerdict]:

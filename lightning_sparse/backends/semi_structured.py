@@ -18,7 +18,9 @@ Before a kernel's first matmul in a process, the kernel check
 compares it with dense math; a kernel that fails it is never run.
 
 Phases with a stored mask (``static``, ``magnitude``) multiply the weight by the mask instead;
-the mask must be transposable 2:4.
+the mask must be transposable 2:4. On cuSPARSELt, what the mask fixes of the packed format is
+computed when the mask is installed and at each mask update (:func:`~lightning_sparse.backends.cusparselt.mask_packing`),
+so each step only gathers the weight's values.
 
 Where a kernel cannot run (a CPU tensor, a float32 matmul), and with ``kernel="emulated"``,
 the layer computes what the masked backend computes, with the same operations: the weight
@@ -52,7 +54,13 @@ from torch import Tensor, nn
 from torch.sparse import to_sparse_semi_structured
 
 from lightning_sparse.backends.capability import HALF_DTYPES
-from lightning_sparse.backends.cusparselt import cusparselt_linear, packer_note
+from lightning_sparse.backends.cusparselt import (
+    MaskPacking,
+    cusparselt_linear,
+    mask_packing,
+    packer_note,
+    packs_stored_masks,
+)
 from lightning_sparse.backends.cutlass import cutlass_linear
 from lightning_sparse.backends.kernel_check import register_kernel, require_kernel
 from lightning_sparse.backends.masked import (
@@ -64,13 +72,21 @@ from lightning_sparse.backends.masked import (
     swap_forward,
 )
 from lightning_sparse.core.layers import CONV1D, LINEAR
-from lightning_sparse.masks.tiles import greedy_2to4_mask, is_transposable_2to4
+from lightning_sparse.masks.tiles import (
+    greedy_2to4_mask,
+    is_transposable_2to4,
+    transposable_2to4_mask,
+)
 
 EMULATED = "emulated"
-KernelLinear = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None"], Tensor]
-"""``(x, weight, bias, mask) -> x @ W24.T + bias`` for a row-major 2-D ``x`` and a row-major
-``weight`` in the matmul dtype; ``W24`` is ``weight * mask``, or without a mask the greedy
-transposable 2:4 projection of ``weight``; gradients straight through to ``weight``."""
+KernelLinear = Callable[
+    [Tensor, Tensor, "Tensor | None", "Tensor | None", "MaskPacking | None"], Tensor
+]
+"""``(x, weight, bias, mask, packing) -> x @ W24.T + bias`` for a row-major 2-D ``x`` and a
+row-major ``weight`` in the matmul dtype; ``W24`` is ``weight * mask``, or without a mask the
+greedy transposable 2:4 projection of ``weight``; gradients straight through to ``weight``.
+``packing`` is cuSPARSELt's packing of the stored mask where it has one (see
+:func:`install_semi_structured_forward`); other kernels are given ``None``."""
 KERNELS: dict[str, KernelLinear] = {
     "cusparselt": cusparselt_linear,
     "cutlass": cutlass_linear,
@@ -89,9 +105,11 @@ def semi_structured_linear(
     bias: Tensor | None,
     kernel: str,
     mask: Tensor | None = None,
+    packing: MaskPacking | None = None,
 ) -> Tensor:
     """``F.linear(input, W24, bias)`` where ``W24`` is the 2:4 projection of ``weight * mask``
     (of ``weight`` without a mask), run by ``kernel``, gradients straight through to ``weight``.
+    ``packing``: the mask's packing for cuSPARSELt (:func:`~lightning_sparse.backends.cusparselt.mask_packing`).
 
     ``kernel="emulated"``, and any matmul that would not run in float16/bfloat16 on a CUDA
     device, computes the same function as the masked backend, with the same operations.
@@ -114,21 +132,39 @@ def semi_structured_linear(
     # The sparse matmuls take 2-D row-major inputs.
     x = input.to(dtype).reshape(-1, input.shape[-1]).contiguous()
     b = None if bias is None else bias.to(dtype)
-    out = KERNELS[kernel](x, w, b, mask)
+    out = KERNELS[kernel](x, w, b, mask, packing)
     return out.view(*input.shape[:-1], out.shape[-1])
 
 
-def _checked_linear(kernel: str) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
-    return lambda x, weight, bias: semi_structured_linear(x, weight, bias, kernel)
+def _checked_linears(
+    kernel: str,
+) -> list[Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
+    """The code paths the kernel check runs ``kernel`` through: the weight projected at every
+    forward (``runtime``), and a stored mask (its greedy transposable 2:4 mask), as
+    :func:`install_semi_structured_forward` packs it."""
+
+    def projected(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return semi_structured_linear(x, weight, bias, kernel)
+
+    def stored(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        mask = transposable_2to4_mask(weight.detach())
+        packing = (
+            mask_packing(mask, mask)
+            if kernel == "cusparselt" and packs_stored_masks(tuple(mask.shape))
+            else None
+        )
+        return semi_structured_linear(x, weight, bias, kernel, mask, packing)
+
+    return [projected, stored]
 
 
 register_kernel(
     "cusparselt",
-    _checked_linear("cusparselt"),
+    *_checked_linears("cusparselt"),
     label=LABELS["cusparselt"],
     describe=packer_note,
 )
-register_kernel("cutlass", _checked_linear("cutlass"), label=LABELS["cutlass"])
+register_kernel("cutlass", *_checked_linears("cutlass"), label=LABELS["cutlass"])
 
 INFERENCE = "semi_structured_tensor"
 """The kernel check's name for torch's ``to_sparse_semi_structured`` tensors (inference)."""
@@ -164,15 +200,25 @@ class SemiStructuredForward(SparseForwardMixin):
 
     _ls_kernel: str
 
+    _ls_packing: MaskPacking | None
+
     def forward(self, input: Tensor) -> Tensor:
         matrix = self._ls_layer.matrix
         mask = self._ls_mask
+        packing = self._ls_packing
+        if (
+            packing is not None
+            and not torch.compiler.is_compiling()
+            and mask._version != packing.version  # changed in place since installed
+        ):
+            packing = self._ls_packing = _pack_mask(self, mask, packing)
         return semi_structured_linear(
             input,
             matrix(self.weight),
             self.bias,
             self._ls_kernel,
             None if mask is None else matrix(mask).contiguous(),
+            packing,
         )
 
 
@@ -199,7 +245,10 @@ def install_semi_structured_forward(
 ) -> None:
     """Make the ``nn.Linear`` (or ``Conv1D``) ``module`` run 2:4-sparse with ``kernel``; with
     ``mask`` (stored like the weight; transposable 2:4 as the ``(out, in)`` matrix), on
-    ``weight * mask``, else on the matrix's own 2:4 projection."""
+    ``weight * mask``, else on the matrix's own 2:4 projection.
+
+    Call it again after the mask changes: for cuSPARSELt it packs the mask's positions anew
+    (into the same tensors, which compiled graphs hold)."""
     if kernel not in (*KERNELS, EMULATED):
         raise ValueError(f"kernel={kernel!r}; use one of {[*KERNELS, EMULATED]}")
     # transposable 2:4 holds for the matrix iff it holds for its transpose
@@ -208,5 +257,20 @@ def install_semi_structured_forward(
             "the semi_structured backend runs stored masks that are transposable 2:4 (at most "
             "2 kept per row and per column of every 4x4 tile); this mask is not"
         )
+    previous = module.__dict__.get("_ls_packing")
     swap_forward(module, _SEMI_STRUCTURED_CLASSES, mask=mask)
     module._ls_kernel = kernel
+    module._ls_packing = (
+        _pack_mask(module, mask, previous)
+        if kernel == "cusparselt"
+        and mask is not None
+        and packs_stored_masks(tuple(module._ls_layer.matrix(mask).shape))
+        else None
+    )
+
+
+def _pack_mask(
+    module: nn.Module, mask: Tensor, previous: MaskPacking | None
+) -> MaskPacking:
+    matrix = module._ls_layer.matrix(mask).contiguous()
+    return mask_packing(matrix, mask, previous)
