@@ -41,6 +41,7 @@ from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import (
     install_masked_forward,
     install_sparse_attribute,
+    original_class,
     uninstall_forward,
 )
 from lightning_sparse.backends.semi_structured import (
@@ -196,7 +197,7 @@ class LayerForwards:
             return
         self._unverified = False
         idle = [
-            f"{t.name} ({t.module_name or 'model'}, {type(t.module).__name__})"
+            f"{t.name} ({t.module_name or 'model'}, {original_class(t.module).__name__})"
             for t in targets
             if t.module.__dict__.get("_ls_ran") is False
         ]
