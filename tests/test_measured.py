@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fast_trainer, speed_rows
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
 
+from lightning_sparse import SparsityCallback
 from lightning_sparse.backends import measured
 from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.backends.measured import (
@@ -20,6 +24,7 @@ from lightning_sparse.backends.measured import (
     step_estimates,
     step_speed,
 )
+from lightning_sparse.cli.plan import MEASURED_2TO4, format_plan, plan_schedule
 
 HOPPER = Path(__file__).resolve().parents[1] / "docs" / "hopper.md"
 COLUMN = "searched, graphed"  # the forward table's column the records hold
@@ -54,6 +59,11 @@ def test_the_records_are_the_forward_table_of_the_hopper_page():
     text = " ".join(HOPPER.read_text().split())
     for fact in ("torch 2.11.0+cu130", "cuSPARSELt 0.8.0", "bf16", "H100 80GB HBM3"):
         assert fact in text
+
+
+def test_the_quoted_sentence_is_derived_from_the_records():
+    assert "1.05-1.79x for the forward x @ W.T with W packed once" in MEASURED_2TO4
+    assert "torch 2.11.0+cu130 and cuSPARSELt 0.8.0" in MEASURED_2TO4
 
 
 @pytest.mark.parametrize(
@@ -99,3 +109,47 @@ def test_both_matmuls_measured_at_a_token_count_are_paired(monkeypatch):
     assert (first.forward, first.input_grad, first.assumed) == (1.19, 1.34, None)
     assert first.training == pytest.approx(3 / (1 / 1.19 + 1 / 1.34 + 1))
     assert second.assumed == "input gradient"
+
+
+class Mlp(BoringModel):
+    """A measured MLP shape and an unmeasured one, each multiple of 128 (cuSPARSELt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(1024, 4096), nn.Linear(4096, 1024)
+        self.up, self.down = nn.Linear(384, 1536), nn.Linear(1536, 384)
+
+
+def test_a_plan_for_the_measured_gpu_estimates_measured_shapes_and_bounds_the_rest():
+    cb = SparsityCallback(
+        sparsity="2:4", params=["fc*.weight", "up.weight", "down.weight"]
+    )
+    trainer = fast_trainer(max_steps=10, callbacks=[cb])
+    with torch.device("meta"):
+        model = Mlp()
+    plan = plan_schedule(trainer, model, gpu=parse_gpu("h100"), precision="bf16-mixed")
+    text = format_plan(plan)
+    flat = " ".join(text.split())
+    assert (
+        "2 of the 4 layers on 2:4 kernels have a measured shape, measured on this GPU"
+        in flat
+    )
+    rows = speed_rows(text)
+    low, high = 3 / (2 / 1.19 + 1), 3 / (2 / 1.37 + 1)
+    assert rows["1024->4096"] == [
+        "1",
+        "12336-32896",
+        "1.19-1.37x",
+        "taken equal",
+        f"{low:.2f}-{high:.2f}x",
+    ]
+    assert rows["384->1536"] == [
+        "1",
+        "-",
+        "<= 2.0x (peak)",
+        "<= 2.0x (peak)",
+        "<= 1.50x (peak)",
+    ]
+    assert "bounds from its peak rates (989 TFLOP/s dense, 1979 with 2:4)" in flat
+    assert "packing W and W.T not counted, so an upper estimate" in flat
+    assert all(len(line) <= 100 for line in text.splitlines() if "->" in line)
