@@ -59,6 +59,7 @@ def test_the_records_are_the_forward_table_of_the_hopper_page():
     text = " ".join(HOPPER.read_text().split())
     for fact in ("torch 2.11.0+cu130", "cuSPARSELt 0.8.0", "bf16", "H100 80GB HBM3"):
         assert fact in text
+    assert "plan --gpu" in text
 
 
 def test_the_quoted_sentence_is_derived_from_the_records():
