@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning as L
@@ -331,6 +332,15 @@ def dense_cusparselt(monkeypatch: Any, packer_matches: bool = True) -> list[tupl
         cusparselt, "_compare_packers", lambda dtype, device: packer_matches
     )
     return calls
+
+
+def speed_rows(plan_text: str) -> dict[str, list[str]]:
+    """The rows of a plan's 2:4 training speed table, by matmul shape (``"1024->4096"``):
+    layers, tokens, forward, input gradient, training step."""
+    rows = (re.split(r"\s{2,}", line.strip()) for line in plan_text.splitlines())
+    return {
+        cells[0]: cells[1:] for cells in rows if re.fullmatch(r"\d+->\d+", cells[0])
+    }
 
 
 def demo_trainer(**kwargs: Any) -> L.Trainer:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import pretend_gpu
+from helpers import pretend_gpu, speed_rows
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.cli.main import SparseCLI
@@ -28,6 +28,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ALL = sorted(p for p in RECIPES.rglob("*.yaml") if p.parent.name != "overlays")
 OVERLAYS = sorted((RECIPES / "overlays").glob("*.yaml"))
 CPU_DEMOS = [p for p in ALL if p.name == "cpu_demo.yaml"]
+VIT_L = RECIPES / "dinov2" / "vitl14_24_70pct.yaml"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -137,12 +138,7 @@ def test_full_scale_recipes_plan_as_configured_without_gpu_or_data(tmp_path, cap
 
 
 def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):
-    plan(
-        RECIPES / "dinov2" / "vitl14_24_70pct.yaml",
-        tmp_path,
-        "--plot=false",
-        "--gpu=h100",
-    )
+    plan(VIT_L, tmp_path, "--plot=false", "--gpu=h100")
     out = capsys.readouterr().out
     assert "predicted for H100 SXM (sm90" in out and "not a measured speed" in out
     rows = [line for line in out.splitlines() if ".mlp.fc1.weight " in line]
@@ -158,6 +154,60 @@ def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):
     assert (
         "0.15-0.24x dense per layer in eager training" in out and "1.1-1.4x" not in out
     )
+
+
+@pytest.mark.parametrize(
+    "gpu, measured_on",
+    [
+        ("h100", "measured on this GPU (H100 80GB HBM3 SXM; torch 2.11.0+cu130"),
+        (
+            "h200",
+            "measured on an H100 80GB HBM3 SXM, another sm90 GPU (torch 2.11.0+cu130",
+        ),
+    ],
+)
+def test_plan_for_an_sm90_gpu_estimates_the_mlps_speed_from_measured_ratios(
+    gpu, measured_on, tmp_path, capsys
+):
+    """ViT-L/14's fc1 (1024->4096) forward was measured on an H100 SXM; fc2's input gradient
+    is that matmul. The other of each layer's two sparse matmuls is taken equal."""
+    plan(VIT_L, tmp_path, "--plot=false", f"--gpu={gpu}")
+    out = capsys.readouterr().out
+    text = " ".join(out.split())  # the speed block wraps its sentences
+    assert (
+        f"48 of the 48 layers on 2:4 kernels have a measured shape, {measured_on}"
+        in text
+    )
+    low, high = (
+        3 / (2 / 1.19 + 1),
+        3 / (2 / 1.37 + 1),
+    )  # the step at 12336 and 32896 tokens
+    step = f"{low:.2f}-{high:.2f}x"
+    assert speed_rows(out) == {
+        "1024->4096": ["24", "12336-32896", "1.19-1.37x", "taken equal", step],
+        "4096->1024": ["24", "12336-32896", "taken equal", "1.19-1.37x", step],
+    }
+    assert "packing W and W.T not counted, so an upper estimate" in text
+    assert "fit start decides on the GPU itself (kernel check, verify_speed)" in text
+
+
+def test_plan_for_a_gpu_without_measurements_bounds_the_speed_by_peak_rates(
+    tmp_path, capsys
+):
+    plan(VIT_L, tmp_path, "--plot=false", "--gpu=a100")
+    out = capsys.readouterr().out
+    text = " ".join(out.split())
+    assert "0 of the 48 layers on 2:4 kernels have a measured shape" in text
+    bound = ["-", "<= 2.0x (peak)", "<= 2.0x (peak)", "<= 1.50x (peak)"]
+    assert speed_rows(out) == {
+        "1024->4096": ["24", *bound],
+        "4096->1024": ["24", *bound],
+    }
+    assert (
+        "bounds from its peak rates (312 TFLOP/s dense, 624 with 2:4), not predictions"
+        in text
+    )
+    assert "measured on this GPU" not in text and "another sm90 GPU" not in text
 
 
 def test_plan_for_a_target_gpu_says_why_a_shape_stays_masked(tmp_path, capsys):

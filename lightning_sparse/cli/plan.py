@@ -5,8 +5,11 @@ precision), the model and the datamodule, and builds each group exactly as fit s
 (:meth:`SparsityCallback.build`: parameter selection, phases resolved against the run, the
 backend each parameter gets on this machine and why), without applying any mask. It adds the
 per-layer sparsity in each phase and the theoretical forward FLOP savings
-(:mod:`lightning_sparse.cli.flops`). :func:`format_plan` renders it as text; ``lightning-sparse
-plan`` prints that and plots the schedule (:mod:`lightning_sparse.cli.plot`).
+(:mod:`lightning_sparse.cli.flops`). :func:`format_plan` renders it as text, for a GPU to plan
+for with the training speed of the layers on 2:4 kernels (from the ratios measured at their
+shapes where the project has them, :mod:`lightning_sparse.backends.measured`, from the GPU's
+peak rates elsewhere); ``lightning-sparse plan`` prints that and plots the schedule
+(:mod:`lightning_sparse.cli.plot`).
 
 The run length is what ``trainer.estimated_stepping_batches`` will be at fit start: ``max_steps``
 when the run is bounded by steps only, otherwise ``max_epochs`` times the optimizer steps per
@@ -32,6 +35,8 @@ Example:
 from __future__ import annotations
 
 import math
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -41,6 +46,15 @@ from torch import nn
 from lightning_sparse.algorithms import RunLength, SparsityAlgorithm
 from lightning_sparse.backends.capability import autocast_dtype
 from lightning_sparse.backends.gpus import GpuTarget
+from lightning_sparse.backends.measured import (
+    H100_FORWARD,
+    RATIOS,
+    Setup,
+    StepEstimate,
+    setup_for,
+    step_estimates,
+    step_speed,
+)
 from lightning_sparse.calibration import example_forward
 from lightning_sparse.callback import SparsityCallback
 from lightning_sparse.cli.flops import FlopSavings, linear_flops_per_token, run_savings
@@ -51,11 +65,20 @@ from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import sparsity_fraction
 
 _RAMP_SAMPLES = 256  # steps sampled per phase to average a ramping target
+
+
+def _span(values: Sequence[float], spec: str) -> str:
+    """``"lo-hi"`` of ``values`` formatted with ``spec``, or one value when they are equal."""
+    lo, hi = format(min(values), spec), format(max(values), spec)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 MEASURED_2TO4 = (
-    "measured on an H100 with torch 2.11 and cuSPARSELt 0.8: 0.15-0.24x dense per layer in "
-    "eager training, where verify_speed kept every layer dense; 1.17-1.79x for a prepacked "
-    "forward with the searched cuSPARSELt algorithm, replayed as a CUDA graph; see "
-    "docs/hopper.md"
+    f"measured on an {H100_FORWARD.device} with torch {H100_FORWARD.torch} and cuSPARSELt "
+    f"{H100_FORWARD.cusparselt}: 0.15-0.24x dense per layer in eager training on an earlier "
+    f"kernel path, where verify_speed kept every layer dense; "
+    f"{_span([r.ratio for r in RATIOS if r.setup == H100_FORWARD], '.2f')}x for "
+    f"{H100_FORWARD.measured}; see {H100_FORWARD.documented}"
 )
 """What 2:4 kernels have done, quoted wherever the plan mentions their speed."""
 
@@ -280,7 +303,8 @@ def kernel_share(plan: SchedulePlan, group: GroupPlan) -> list[float]:
 
 def format_plan(plan: SchedulePlan) -> str:
     """The plan as text: run length, each group's table (parameters, phases, backends and
-    why), per-layer sparsity and FLOPs, and the theoretical FLOP savings."""
+    why), per-layer sparsity and FLOPs, with a GPU to plan for the training speed of the
+    layers on 2:4 kernels by matmul shape, and the theoretical FLOP savings."""
     lines = [f"Run: {plan.run_description}", backends_line(plan), ""]
     total = plan.flops and sum(plan.flops.values())
     for group in plan.groups:
@@ -317,6 +341,7 @@ def format_plan(plan: SchedulePlan) -> str:
             )
             if plan.gpu is not None and share:
                 lines.append(f"    {_peak_bound(plan.gpu, share)}")
+        lines += _speed_lines(plan, group)
         lines.append("")
     lines.append(
         f"Theoretical forward FLOP savings over the run: {plan.run_savings:.1%} of the "
@@ -363,4 +388,135 @@ def _peak_bound(gpu: GpuTarget, share: float) -> str:
         f"{share:.1%} of the forward Linear FLOPs on 2:4 kernels: at peak rates "
         f"({speedup:.1f}x for them) the counted Linear forward takes at least {time:.1%} of "
         f"its dense time, a bound, not a prediction (see the Backends line for what ran)"
+    )
+
+
+_WIDTH = 100  # the speed block wraps its sentences for a 100-column terminal
+
+
+def _speed_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
+    """With a GPU to plan for: per matmul shape of ``group``'s layers on 2:4 kernels, a
+    training step's speed estimated from the ratios measured at that shape
+    (:mod:`lightning_sparse.backends.measured`) where the project has them for the GPU, else
+    the bound from its peak rates, each labelled; empty without such layers."""
+    sp = group.sparsifier
+    on_kernel = {n for (_, n), c in sp.backends.items() if c.name == "semi_structured"}
+    gpu = plan.gpu
+    if gpu is None or not on_kernel:
+        return []
+    compute_dtype = autocast_dtype(plan.precision)
+    shapes: dict[tuple[int, int, torch.dtype], int] = {}  # (in, out, dtype) -> layers
+    for t in sp.targets:
+        if t.name in on_kernel:
+            out_features, in_features = t.layer.to_rows(t.param).shape
+            key = (in_features, out_features, compute_dtype or t.param.dtype)
+            shapes[key] = shapes.get(key, 0) + 1
+    rows = [
+        ["matmul", "layers", "tokens", "forward", "input gradient", "training step"]
+    ]
+    bounds: list[list[str]] = []
+    setups: dict[Setup, None] = {}  # those quoted, in order
+    measured = 0  # layers at a measured shape
+    for (in_features, out_features, dtype), count in shapes.items():
+        setup = setup_for(gpu, dtype)
+        steps = step_estimates(in_features, out_features, setup) if setup else []
+        cells = [f"{in_features}->{out_features}", str(count)]
+        if setup and steps:
+            setups[setup] = None
+            measured += count
+            rows.append(
+                cells
+                + [
+                    _span([s.tokens for s in steps], "d"),
+                    _ratio_cell(steps, "forward"),
+                    _ratio_cell(steps, "input gradient"),
+                    f"{_span([s.training for s in steps], '.2f')}x",
+                ]
+            )
+        else:
+            bounds.append(cells + ["-"] + _peak_cells(gpu))
+    where = "; ".join(_measured_on(setup, gpu) for setup in setups)
+    title = (
+        f"2:4 training speed by matmul shape: {measured} of the {sum(shapes.values())} "
+        f"layers on 2:4 kernels have a measured shape" + (f", {where}" if where else "")
+    )
+    lines = _wrap(title, 2)
+    lines += ["    " + line for line in text_table(rows + bounds)]
+    notes = [
+        f"measured: {setup.measured} ({setup.documented}); a layer's input gradient is the "
+        f"out->in matmul at the same tokens, and where one of its two sparse matmuls was not "
+        f"measured it is taken equal to the other; training step: 3 / (1/forward + 1/input "
+        f"gradient + 1), the weight gradient dense, packing W and W.T not counted, so an "
+        f"upper estimate"
+        for setup in setups
+    ]
+    if bounds:
+        notes.append(_unmeasured_note(gpu))
+    notes.append(
+        "fit start decides on the GPU itself (kernel check, verify_speed), see the Backends line"
+    )
+    for note in notes:
+        lines += _wrap(note, 4)
+    return lines
+
+
+def _ratio_cell(steps: list[StepEstimate], part: str) -> str:
+    """The measured ratios of one of a layer's two sparse matmuls (``"forward"`` or ``"input
+    gradient"``), or that it was taken equal to the other."""
+    values = [
+        s.forward if part == "forward" else s.input_grad
+        for s in steps
+        if s.assumed != part
+    ]
+    if not values:
+        return "taken equal"
+    text = f"{_span(values, '.2f')}x"
+    return text if len(values) == len(steps) else f"{text}, else equal"
+
+
+def _peak_cells(gpu: GpuTarget) -> list[str]:
+    """Forward, input gradient and training step of an unmeasured shape: the bounds the GPU's
+    peak rates put on them."""
+    if not (gpu.dense_tflops and gpu.sparse_tflops):
+        return ["not measured"] * 3
+    speedup = gpu.sparse_tflops / gpu.dense_tflops
+    bound = f"<= {speedup:.1f}x (peak)"
+    return [bound, bound, f"<= {step_speed(speedup, speedup):.2f}x (peak)"]
+
+
+def _measured_on(setup: Setup, gpu: GpuTarget) -> str:
+    """Where ``setup``'s ratios come from, said from the point of view of ``gpu``."""
+    if setup.gpu == gpu:
+        return f"measured on this GPU ({setup.device}; {setup.versions})"
+    # a named GPU is another GPU of the capability; a bare capability is not a GPU
+    other = "another" if gpu.name != gpu.arch else "an"
+    return f"measured on an {setup.device}, {other} {setup.gpu.arch} GPU ({setup.versions})"
+
+
+def _unmeasured_note(gpu: GpuTarget) -> str:
+    """What the rows without a measurement show, and where the project has measured."""
+    measured = "; ".join(
+        f"an {s.device} ({s.gpu.arch}, {s.versions})"
+        for s in dict.fromkeys(r.setup for r in RATIOS)
+    )
+    bound = (
+        f"so they show bounds from its peak rates ({gpu.dense_tflops:g} TFLOP/s dense, "
+        f"{gpu.sparse_tflops:g} with 2:4), not predictions"
+        if gpu.dense_tflops and gpu.sparse_tflops
+        else "and a bare compute capability has no peak rates to bound them"
+    )
+    return (
+        f"rows without tokens have no measurement for {gpu.name} at their shape, {bound}; "
+        f"the project has measured 2:4 matmuls on {measured} only"
+    )
+
+
+def _wrap(text: str, indent: int) -> list[str]:
+    """``text`` wrapped to the block's width, indented by ``indent``, continued 2 further in."""
+    return textwrap.wrap(
+        text,
+        _WIDTH,
+        initial_indent=" " * indent,
+        subsequent_indent=" " * (indent + 2),
+        break_on_hyphens=False,
     )
