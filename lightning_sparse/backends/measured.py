@@ -16,7 +16,7 @@ Example:
     >>> from lightning_sparse.backends.gpus import parse_gpu
     >>> setup = setup_for(parse_gpu("h200"), torch.bfloat16)  # measured on an H100 SXM
     >>> [f"{s.tokens}: {s.training:.2f}x" for s in step_estimates(1024, 4096, setup)]
-    ['12336: 1.12x', '32896: 1.22x']
+    ['12336: 1.16x', '32896: 1.22x']
 """
 
 from __future__ import annotations
@@ -117,10 +117,14 @@ H100_FORWARD = Setup(
 
 RATIOS: tuple[ShapeRatio, ...] = (
     ShapeRatio(H100_FORWARD, 12336, 1024, 4096, 1.19),
+    ShapeRatio(H100_FORWARD, 12336, 4096, 1024, 1.34),
     ShapeRatio(H100_FORWARD, 32896, 1024, 4096, 1.37),
     ShapeRatio(H100_FORWARD, 8192, 768, 3072, 1.17),
     ShapeRatio(H100_FORWARD, 16384, 4096, 11008, 1.79),
+    ShapeRatio(H100_FORWARD, 16384, 11008, 4096, 1.44),
+    ShapeRatio(H100_FORWARD, 65536, 4096, 16384, 1.49),
     ShapeRatio(H100_FORWARD, 65536, 8192, 28672, 1.54),
+    ShapeRatio(H100_FORWARD, 2048, 8192, 28672, 1.68),
     ShapeRatio(H100_FORWARD, 64, 8192, 28672, 1.05),
 )
 """Every measured ratio, in the order of the table in ``docs/hopper.md``."""
@@ -155,7 +159,7 @@ def step_estimates(
     Example:
         >>> fc2 = step_estimates(4096, 1024, H100_FORWARD)  # its input gradient: 1024 -> 4096
         >>> [(s.tokens, s.input_grad, s.assumed) for s in fc2]
-        [(12336, 1.19, 'forward'), (32896, 1.37, 'forward')]
+        [(12336, 1.19, None), (32896, 1.37, 'forward')]
         >>> step_estimates(384, 1536, H100_FORWARD)
         []
     """
