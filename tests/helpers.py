@@ -14,6 +14,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_sparse import SparsityCallback, kernels
+from lightning_sparse.algorithms import build_algorithm
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import ParamTarget, select_parameters
+from lightning_sparse.engine.forwards import LayerForwards
 
 
 class TinyNet(nn.Module):
@@ -402,3 +406,19 @@ def resume_run(
     uninterrupted run). Returns the model and the SparsityCallback."""
     callback = SparsityCallback(phases=phases, verbose=False)
     return resumable_fit(tmp_path, [callback], 12, stop_at, ckpt_path, seed), callback
+
+
+def install_runtime(
+    net: nn.Module, params: list[str], sparsity: str = "2:4"
+) -> list[ParamTarget]:
+    """Give ``params`` of ``net`` the masked backend's ``runtime`` forward (the weight projected
+    at every forward), installed by the engine as a fit installs it."""
+    targets = select_parameters(net, params=params).targets
+    phases = resolve_phases(
+        [Phase(sparsity=sparsity, algorithm="runtime")], total_steps=1
+    )
+    algo = build_algorithm(phases[0])
+    forwards = LayerForwards("runtime", targets, phases, {0: algo}, backend="masked")
+    for target in targets:
+        forwards.install(0, target, algo, None)
+    return targets

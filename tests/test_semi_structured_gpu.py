@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CompiledTiny, RepeatedBatch, StopAt, fast_trainer
+from helpers import CompiledTiny, RepeatedBatch, StopAt, fast_trainer, install_runtime
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.sparse import SparseSemiStructuredTensorCUSPARSELT
@@ -280,3 +280,33 @@ def test_masked_runtime_on_cuda_projects_in_the_matmul_dtype():
     with torch.autocast("cuda", torch.bfloat16):
         layer(torch.randn(4, 256, device="cuda"))
     assert seen == [(torch.bfloat16, True)]
+
+
+def test_compiled_masked_runtime_is_one_cuda_graph_that_computes_as_eager():
+    """The runtime 2:4 projection traced into the graph (the tile kernel as one custom op):
+    ``reduce-overhead`` captures both layers without a break (``fullgraph``), projects the
+    current weights at every replay, and computes what eager computes."""
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+        install_runtime(net, ["0.weight", "2.weight"])
+        return net
+
+    eager, compiled = mlp(), mlp()
+    step = torch.compile(compiled, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # warm-up, capture, then replays
+        with torch.no_grad():  # new weights, the same in both: the masks must follow
+            for p, q in zip(compiled.parameters(), eager.parameters()):
+                p.copy_(torch.randn_like(p) * 0.05)
+                q.copy_(p)
+        x = torch.randn(64, 256, device="cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", torch.bfloat16):
+            out, ref = step(x), eager(x)
+        torch.testing.assert_close(out, ref, **BF16)
+        out.float().sum().backward()
+        ref.float().sum().backward()
+        for p, q in zip(compiled.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **BF16)
+            p.grad = q.grad = None

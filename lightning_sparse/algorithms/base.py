@@ -397,6 +397,12 @@ class SparsityAlgorithm:
             f"algorithm {self.name!r} does not project masks per forward"
         )
 
+    def traceable(self, weight: Tensor) -> bool:
+        """Whether ``project(weight)`` may run inside a ``torch.compile`` graph, i.e. runs ops
+        that trace to a fixed graph (such as custom ops). The default, ``False``, runs every
+        projection eagerly between graphs, so that Python loops are not retraced."""
+        return False
+
 
 _REGISTRY: dict[str, type[SparsityAlgorithm]] = {}
 _A = TypeVar("_A", bound=type[SparsityAlgorithm])

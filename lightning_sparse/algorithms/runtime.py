@@ -7,7 +7,11 @@ from torch import Tensor
 from lightning_sparse.algorithms.base import SparsityAlgorithm, register_algorithm
 from lightning_sparse.core.schedule import Phase
 from lightning_sparse.masks import NM
-from lightning_sparse.masks.tiles import greedy_2to4_mask, has_4x4_tiles
+from lightning_sparse.masks.tiles import (
+    greedy_2to4_mask,
+    has_4x4_tiles,
+    tile_kernel_takes,
+)
 
 
 @register_algorithm("runtime")
@@ -46,8 +50,26 @@ class Runtime(SparsityAlgorithm):
         super().__init__(*args, **kwargs)
         assert isinstance(self.phase.target, NM)
         self._target: NM = self.phase.target
+        self._tiles = self._target == NM(2, 4)  # transposable 4x4 tiles where they fit
 
     def project(self, weight: Tensor) -> Tensor:
-        if self._target == NM(2, 4) and has_4x4_tiles(weight):
+        if self._tiles and has_4x4_tiles(weight):
             return greedy_2to4_mask(weight)
         return self.select(weight.detach().abs(), self._target)
+
+    def traceable(self, weight: Tensor) -> bool:
+        """2:4 on a weight torch's tile kernel takes: one custom op chooses the mask.
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses.fake_tensor import FakeTensorMode
+            >>> from lightning_sparse.algorithms import build_algorithm
+            >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+            >>> algo = build_algorithm(resolve_phases([Phase(sparsity="2:4")], total_steps=1)[0])
+            >>> algo.traceable(torch.zeros(128, 256, dtype=torch.bfloat16))  # on the CPU
+            False
+            >>> with FakeTensorMode():  # a CUDA weight, shapes only
+            ...     algo.traceable(torch.empty(128, 256, device="cuda", dtype=torch.bfloat16))
+            True
+        """
+        return self._tiles and tile_kernel_takes(weight)

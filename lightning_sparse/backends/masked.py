@@ -65,7 +65,7 @@ class SparseForwardMixin:
         """The weight times its mask, for a matmul in ``dtype``."""
         weight = self.weight  # type: ignore[attr-defined]
         mask = (
-            project_eagerly(self._ls_project, weight, dtype)
+            project_mask(self._ls_project, weight, dtype)
             if self._ls_project is not None
             else self._ls_mask
         )
@@ -80,6 +80,30 @@ def matmul_dtype(input: Tensor, weight: Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def project_mask(
+    project: Callable[[Tensor], Tensor], weight: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """``project(weight)`` for a matmul in ``dtype``: traced into the graph being compiled
+    where ``project`` has a ``traceable(weight) -> bool`` method that says yes for the weight
+    it sees (torch's tile kernel, one custom op, choosing a 2:4 mask), else eagerly
+    (:func:`project_eagerly`). Outside ``torch.compile`` both compute the same mask.
+
+    Example:
+        >>> import torch
+        >>> from lightning_sparse.masks.tiles import transposable_2to4_mask
+        >>> w = torch.randn(8, 16)
+        >>> torch.equal(project_mask(transposable_2to4_mask, w, w.dtype), transposable_2to4_mask(w))
+        True
+    """
+    if torch.compiler.is_compiling():
+        traceable = getattr(project, "traceable", None)
+        if traceable is not None:
+            seen = _projected_weight(weight, dtype)
+            if traceable(seen):
+                return project(seen)
+    return project_eagerly(project, weight, dtype)
+
+
 @torch.compiler.disable
 def project_eagerly(
     project: Callable[[Tensor], Tensor], weight: Tensor, dtype: torch.dtype
@@ -88,14 +112,19 @@ def project_eagerly(
 
     A projection is a pure function of the weight's values (sorting networks, table lookups)
     that ``torch.compile`` would retrace and split at every step; run eagerly, only the
-    masked matmul is compiled. On a GPU it sees the weight in a 16-bit matmul dtype, the
-    values the matmul multiplies, so that torch's tile kernel can choose a 2:4 mask
-    (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`); on the CPU, the stored weight.
+    masked matmul is compiled.
     """
+    return project(_projected_weight(weight, dtype))
+
+
+def _projected_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight a projection sees for a matmul in ``dtype``: on a GPU, in a 16-bit matmul
+    dtype, the values the matmul multiplies, so that torch's tile kernel can choose a 2:4 mask
+    (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`); on the CPU, the stored weight."""
     weight = weight.detach()
     if weight.device.type == "cuda" and dtype in TILE_KERNEL_DTYPES:
-        weight = weight.to(dtype)
-    return project(weight)
+        return weight.to(dtype)
+    return weight
 
 
 class MaskedForward(SparseForwardMixin):
@@ -254,7 +283,7 @@ def _sparse_read(module: nn.Module) -> Tensor:
     weight = module._parameters[module._ls_attr]
     module._ls_ran = True  # the engine's check that the sparse weight is read
     mask = (
-        project_eagerly(module._ls_project, weight, matmul_dtype(weight, weight))
+        project_mask(module._ls_project, weight, matmul_dtype(weight, weight))
         if module._ls_project is not None
         else module._ls_mask
     )

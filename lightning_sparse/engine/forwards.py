@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -49,6 +50,7 @@ from lightning_sparse.backends.semi_structured import (
     install_semi_structured_forward,
 )
 from lightning_sparse.backends.speed import SpeedCheck
+from lightning_sparse.core.layers import LayerType
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
 from lightning_sparse.engine.feasibility import check_phase
@@ -217,12 +219,37 @@ class LayerForwards:
             )
 
 
-def projection(t: ParamTarget, algo: SparsityAlgorithm) -> Callable[[Tensor], Tensor]:
-    """``algo.project`` for ``t``'s stored layout (itself for a Linear weight)."""
-    layer = t.layer
-    if layer.to_rows(t.param) is t.param:
-        return algo.project
-    return lambda weight: layer.from_rows(algo.project(layer.to_rows(weight)))
+@dataclass(frozen=True)
+class Projection:
+    """``algo.project`` on a weight in ``layer``'s stored layout (the algorithm sees rows, e.g.
+    a Conv1D weight's transpose), and where it may be traced into a compiled graph.
+
+    Example:
+        >>> from lightning_sparse.algorithms import build_algorithm
+        >>> from lightning_sparse.core.layers import CONV1D
+        >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+        >>> algo = build_algorithm(resolve_phases([Phase(sparsity="2:4")], total_steps=1)[0])
+        >>> w = torch.randn(16, 8)  # a Conv1D weight: 16 inputs, 8 outputs
+        >>> project = Projection(algo, CONV1D)
+        >>> torch.equal(project(w), algo.project(w.T).T), project.traceable(w)
+        (True, False)
+    """
+
+    algo: SparsityAlgorithm
+    layer: LayerType
+
+    def __call__(self, weight: Tensor) -> Tensor:
+        return self.layer.from_rows(self.algo.project(self.layer.to_rows(weight)))
+
+    def traceable(self, weight: Tensor) -> bool:
+        """Whether the projection of ``weight`` may run inside a ``torch.compile`` graph
+        (:meth:`~lightning_sparse.algorithms.SparsityAlgorithm.traceable`)."""
+        return self.algo.traceable(self.layer.to_rows(weight))
 
 
-__all__ = ["LayerForwards", "projection"]
+def projection(t: ParamTarget, algo: SparsityAlgorithm) -> Projection:
+    """``algo.project`` for ``t``'s stored layout (see :class:`Projection`)."""
+    return Projection(algo, t.layer)
+
+
+__all__ = ["LayerForwards", "Projection", "projection"]

@@ -439,6 +439,26 @@ def tile_kernel_takes(weight: Tensor) -> bool:
     )
 
 
+@torch.library.custom_op("lightning_sparse::tile_kernel_mask", mutates_args=())
+def _tile_kernel_mask(weight: Tensor) -> Tensor:
+    """The keep-mask that torch's tile kernel chooses for a weight it takes.
+
+    The kernel reads row-major weights only; a Conv1D weight's rows (its transpose) are
+    strided, so they are copied first.
+    """
+    rows = weight.contiguous()
+    *_, bitmask = torch._sparse_semi_structured_tile(
+        rows, algorithm="largest_abs_values_greedy", use_cutlass=False
+    )
+    ones = torch.ones_like(rows)
+    return torch._sparse_semi_structured_apply_dense(ones, bitmask) != 0
+
+
+@_tile_kernel_mask.register_fake
+def _(weight: Tensor) -> Tensor:
+    return weight.new_empty(weight.shape, dtype=torch.bool)
+
+
 def greedy_2to4_mask(weight: Tensor) -> Tensor:
     """The greedy transposable 2:4 keep-mask of :func:`transposable_2to4_mask`, chosen by
     torch's CUDA kernel ``torch._sparse_semi_structured_tile(W, "largest_abs_values_greedy")``
@@ -446,21 +466,24 @@ def greedy_2to4_mask(weight: Tensor) -> Tensor:
 
     The kernel compares ``|w|`` in the weight's own (16-bit) dtype and orders equal values
     its own way, so the two masks can differ only where ``|w|`` ties within a tile; both are
-    greedy choices. On the CPU this is :func:`transposable_2to4_mask`.
+    greedy choices. On the CPU this is :func:`transposable_2to4_mask`. The kernel runs as one
+    custom op, ``lightning_sparse::tile_kernel_mask``, which ``torch.compile`` traces as a
+    single node of the graph.
 
     Example:
         >>> import torch
         >>> w = torch.randn(8, 16)
         >>> torch.equal(greedy_2to4_mask(w), transposable_2to4_mask(w))
         True
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> with FakeTensorMode():  # shapes only: a CUDA weight the kernel takes
+        ...     mask = greedy_2to4_mask(torch.empty(128, 256, device="cuda", dtype=torch.bfloat16))
+        >>> mask.shape, mask.dtype, mask.device.type
+        (torch.Size([128, 256]), torch.bool, 'cuda')
     """
     if not tile_kernel_takes(weight):
         return transposable_2to4_mask(weight)
-    *_, bitmask = torch._sparse_semi_structured_tile(
-        weight, algorithm="largest_abs_values_greedy", use_cutlass=False
-    )
-    ones = torch.ones_like(weight)
-    return torch._sparse_semi_structured_apply_dense(ones, bitmask) != 0
+    return _tile_kernel_mask(weight)
 
 
 def has_4x4_tiles(weight: Tensor) -> bool:
