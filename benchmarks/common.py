@@ -119,20 +119,6 @@ def new_step(device: torch.device) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def cuda_graphed(step: Callable[[], object]) -> Callable[[], None]:
-    """``step`` captured once as a CUDA graph (after warm-up on a side stream): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def cuda_problem() -> str | None:
     """Why this machine cannot run the 2:4 kernels, or ``None``."""
     if not torch.cuda.is_available():

@@ -14,7 +14,8 @@ On a CUDA GPU of compute capability 8.0+ it runs these stages and writes one Mar
    eager and compiled;
 5. ``benchmarks/train_steps.py``: training steps of an LLM block stack and ViT-B/16 (``vit-l``
    by ``--step-models``), dense vs 2:4 MLPs, eager and compiled;
-6. ``verify_speed``: what ``backend="auto", verify_speed=True`` decides for a few MLP shapes;
+6. ``verify_speed``: what ``backend="auto", verify_speed=True`` decides for a few MLP shapes,
+   timed eagerly and as CUDA graphs (a model compiled with ``mode="reduce-overhead"``);
 7. training: a timm ViT (``vit_base_patch16_224``, random init, ``bf16-mixed``) trained with
    Lightning on synthetic images made on the GPU, dense vs 2:4 ``runtime`` on the MLP linears
    (``backend="auto"``): median step time, peak memory, loss along the run, the backend table.
@@ -401,57 +402,70 @@ def verify_speed(args: argparse.Namespace, deadline: float) -> Stage:
     from torch import nn
 
     from lightning_sparse.backends import choose_backend
-    from lightning_sparse.backends.speed import VERIFY_TOKENS, SpeedCheck
+    from lightning_sparse.backends.speed import TIMINGS, VERIFY_TOKENS, SpeedCheck
     from lightning_sparse.masks import NM
 
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     tokens = 32 if args.cpu_smoke else VERIFY_TOKENS
-    check = SpeedCheck(tokens=tokens)
     rows, stage = [], Stage("verify_speed", "passed")
-    for label, out_features, in_features in (
-        SMOKE_SPEED_SHAPES if args.cpu_smoke else SPEED_SHAPES
-    ):
-        if time.time() > deadline:
-            stage.status = "cut"
-            stage.notes.append(f"out of time before {label}")
-            break
-        # float32 weights and bfloat16 matmuls, as under precision="bf16-mixed"
-        layer = nn.Linear(in_features, out_features, device=device)
-        owners = [(label, layer, "weight")]
-        choice = choose_backend("auto", NM(2, 4), layer.weight, owners, BF16, check)
-        if (
-            args.cpu_smoke
-        ):  # no kernel on the CPU: time the emulation, to check the rest
-            check(layer.weight, "emulated", torch.float32)
-        shape = tuple(layer.weight.shape)
-        measured = [(key[2], m) for key, m in check.results.items() if key[0] == shape]
-        ratios = [f"{m.ratio:.2f}x" for _, m in measured]
-        stage.records += [
-            {"table": "verify_speed", "layer": label, "kernel": kernel, "ratio": m.ratio,
-             "kept_sparse": choice.name == "semi_structured" and kernel == choice.kernel}
-            for kernel, m in measured
-        ]  # fmt: skip
-        rows.append(
-            [
-                label,
-                f"{out_features}x{in_features}",
-                ", ".join(ratios) or "-",
-                choice.name,
-                choice.reason,
+    shapes = SMOKE_SPEED_SHAPES if args.cpu_smoke else SPEED_SHAPES
+    for timing in TIMINGS:  # as an eager model runs, and one compiled with CUDA graphs
+        check = SpeedCheck(tokens=tokens, timing=timing)
+        for label, out_features, in_features in shapes:
+            if time.time() > deadline:
+                stage.status = "cut"
+                stage.notes.append(f"out of time before {label} ({timing})")
+                break
+            # float32 weights and bfloat16 matmuls, as under precision="bf16-mixed"
+            layer = nn.Linear(in_features, out_features, device=device)
+            owners = [(label, layer, "weight")]
+            choice = choose_backend("auto", NM(2, 4), layer.weight, owners, BF16, check)
+            if (
+                args.cpu_smoke
+            ):  # no kernel on the CPU: time the emulation, to check the rest
+                check(layer.weight, "emulated", torch.float32)
+            shape = tuple(layer.weight.shape)
+            measured = [
+                (key[2], m) for key, m in check.results.items() if key[0] == shape
             ]
-        )
-        no_kernel = choice.kernel is None and "kept dense" not in choice.reason
-        if label.startswith("ViT-L") and no_kernel:  # the shapes the kernels are for
-            stage.status = "failed"
-            stage.notes.append(f"{label}: no 2:4 kernel ({choice.reason})")
-    header = ["layer", "weight", "sparse speed (dense time / sparse)", "backend", "why"]
+            stage.records += [
+                {"table": "verify_speed", "layer": label, "kernel": kernel,
+                 "timing": timing, "ratio": m.ratio,
+                 "kept_sparse": choice.name == "semi_structured" and kernel == choice.kernel}
+                for kernel, m in measured
+            ]  # fmt: skip
+            rows.append(
+                [
+                    label,
+                    f"{out_features}x{in_features}",
+                    timing,
+                    ", ".join(f"{m.ratio:.2f}x" for _, m in measured) or "-",
+                    choice.name,
+                    choice.reason,
+                ]
+            )
+            no_kernel = choice.kernel is None and "kept dense" not in choice.reason
+            if (
+                label.startswith("ViT-L") and no_kernel
+            ):  # the shapes the kernels are for
+                stage.status = "failed"
+                stage.notes.append(f"{label}: no 2:4 kernel ({choice.reason})")
+    header = [
+        "layer",
+        "weight",
+        "timing",
+        "sparse speed (dense time / sparse)",
+        "backend",
+    ]
+    header.append("why")
     stage.body = (
-        f"`choose_backend('auto', 2:4, ..., bf16, SpeedCheck(tokens={tokens}))` per layer: what "
-        f"`SparsityCallback(backend='auto', verify_speed=True)` decides at fit start.\n\n"
+        f"`choose_backend('auto', 2:4, ..., bf16, SpeedCheck(tokens={tokens}, timing=...))` "
+        f"per layer: what `SparsityCallback(backend='auto', verify_speed=True)` decides at fit "
+        f"start for a model run eagerly, and for one compiled with CUDA graphs.\n\n"
         + markdown_table(header, rows)
     )
-    kept = sum(row[3] == "semi_structured" for row in rows)
-    stage.summary = f"{kept}/{len(rows)} shapes on the 2:4 kernel"
+    kept = sum(row[4] == "semi_structured" for row in rows)
+    stage.summary = f"{kept}/{len(rows)} (shape, timing) pairs on the 2:4 kernel"
     return stage
 
 

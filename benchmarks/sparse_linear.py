@@ -55,13 +55,13 @@ from common import (
     available_kernels,
     benchmark_device,
     compile_options,
-    cuda_graphed,
     kernel_check_table,
     markdown_table,
     new_step,
 )
 
 from lightning_sparse.backends import capability, cusparselt
+from lightning_sparse.backends.cuda_graphs import cuda_graphed
 from lightning_sparse.backends.cusparselt import mask_packing
 from lightning_sparse.backends.cusparselt_algorithms import DEFAULT, AlgorithmCache
 from lightning_sparse.backends.cusparselt_packer import compress

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
+from lightning_sparse.backends.cuda_graphs import compiled_with_cuda_graphs
 from lightning_sparse.backends.gpus import GpuTarget
+from lightning_sparse.backends.speed import CUDA_GRAPHS, timing_for
 from lightning_sparse.calibration import TrainLoaderForwards, example_forward
 from lightning_sparse.core.head import record_calls
 from lightning_sparse.core.schedule import (
@@ -64,6 +66,9 @@ class SparsityCallback(Callback):
         verbose: print the plan table at fit start and a summary at the end.
         verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
             layer shape at fit start, and keep dense math where the sparse kernel is slower.
+            ``True`` times each layer as the model runs: replayed as a CUDA graph where the
+            model is compiled with CUDA graphs (``mode="reduce-overhead"`` or
+            ``"max-autotune"``), else eagerly; ``"eager"`` or ``"cuda_graphs"`` says which.
         on_schedule_change: what ``fit(ckpt_path=...)`` does when the checkpoint was trained
             with other phases or parameters than this callback's: ``"error"`` (stop, naming
             each difference) or ``"reselect"`` (apply this schedule from the resume step,
@@ -104,7 +109,7 @@ class SparsityCallback(Callback):
         name: str = "sparsity",
         log_every_n_steps: int | None = None,
         verbose: bool = True,
-        verify_speed: bool = False,
+        verify_speed: bool | Literal["eager", "cuda_graphs"] = False,
         on_schedule_change: str = "error",
         allow_skipped_layers: bool = False,
     ) -> None:
@@ -276,6 +281,18 @@ class SparsityCallback(Callback):
             raise ValueError(
                 empty_selection_message(selection, self.name, type(pl_module).__name__)
             )
+        timing = timing_for(self.verify_speed, pl_module)
+        if (
+            self.verify_speed == CUDA_GRAPHS
+            and gpu is None
+            and not compiled_with_cuda_graphs(pl_module)
+        ):
+            rank_zero_warn(
+                f"[{self.name}] verify_speed='cuda_graphs' times each layer replayed as a CUDA "
+                f"graph, but the model is not compiled with CUDA graphs (torch.compile with "
+                f"mode='reduce-overhead' or 'max-autotune'): a layer kept on 2:4 kernels may "
+                f"run slower than dense eagerly; use verify_speed=True to time it as it runs"
+            )
         sparsifier = Sparsifier(
             self.name,
             selection.targets,
@@ -284,7 +301,7 @@ class SparsityCallback(Callback):
             self.backend,
             log=rank_zero_info,
             compute_dtype=compute_dtype,
-            verify_speed=self.verify_speed,
+            verify_speed=timing or False,
             gpu=gpu,
             calibration_forwards=calibration_forwards,
             allow_skipped_layers=self.allow_skipped_layers,

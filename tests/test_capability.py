@@ -151,12 +151,15 @@ def test_verify_speed_keeps_slower_layers_dense(gpu):
     slow = choose_backend(
         "auto", NM(2, 4), layer.weight, owners, torch.bfloat16, speedup(0.9)
     )
-    assert slow.name == "masked" and "sparse 0.90x dense, so kept dense" in slow.reason
+    assert slow.name == "masked"
+    assert "sparse 0.90x dense (eager), so kept dense" in slow.reason
     fast = choose_backend(
         "auto", NM(2, 4), layer.weight, owners, torch.bfloat16, speedup(1.3)
     )
     assert fast == BackendChoice(
-        "semi_structured", "cuSPARSELt, sm80, bfloat16, 1.30x dense", "cusparselt"
+        "semi_structured",
+        "cuSPARSELt, sm80, bfloat16, 1.30x dense (eager)",
+        "cusparselt",
     )
     assert calls == [((4096, 1024), "cusparselt", torch.bfloat16)] * 2
 
@@ -164,8 +167,13 @@ def test_verify_speed_keeps_slower_layers_dense(gpu):
 @pytest.mark.parametrize(
     ("dense_s", "sparse_s", "choice", "reason"),
     [
-        (1.0, 2.0, "masked", "sparse 0.50x dense, so kept dense"),
-        (2.0, 1.0, "semi_structured", "cuSPARSELt, sm80, bfloat16, 2.00x dense"),
+        (1.0, 2.0, "masked", "sparse 0.50x dense (eager), so kept dense"),
+        (
+            2.0,
+            1.0,
+            "semi_structured",
+            "cuSPARSELt, sm80, bfloat16, 2.00x dense (eager)",
+        ),
     ],
     ids=["sparse slower", "sparse faster"],
 )
@@ -188,9 +196,14 @@ def test_verify_speed_divides_dense_time_by_sparse_time(
 def test_validate_backend_and_the_semi_structured_error():
     assert validate_backend("semi_structured") == "semi_structured"
     assert validate_backend("auto", verify_speed=True) == "auto"
+    assert validate_backend("auto", verify_speed="cuda_graphs") == "auto"
     with pytest.raises(ValueError, match=r"verify_speed=True .* use backend='auto'"):
         validate_backend("masked", verify_speed=True)
-    with pytest.raises(TypeError, match=r"verify_speed='yes'; use True or False"):
+    with pytest.raises(ValueError, match=r"verify_speed='eager' .* use backend='auto'"):
+        validate_backend("semi_structured", verify_speed="eager")
+    with pytest.raises(
+        TypeError, match=r"verify_speed='yes'; use True .*'eager' or 'cuda_graphs'"
+    ):
         validate_backend("auto", verify_speed="yes")
     with pytest.raises(ValueError, match=r"backend='gpu'; use one of"):
         validate_backend("gpu")

@@ -119,12 +119,14 @@ def test_verify_speed_names_the_searched_algorithm(monkeypatch):
     pretend_gpu(monkeypatch, (9, 0))
     layer = nn.Linear(1024, 4096)
     owners = [("fc", layer, "weight")]
-    fast = lambda weight, kernel, dtype: SpeedMeasurement(1.3, 0.001, "alg 17")
+    fast = lambda weight, kernel, dtype: SpeedMeasurement(
+        1.3, 0.001, "alg 17", "as CUDA graphs"
+    )
     choice = choose_backend(
         "auto", NM(2, 4), layer.weight, owners, torch.bfloat16, fast
     )
     assert choice == BackendChoice(
         "semi_structured",
-        "cuSPARSELt, sm90, bfloat16, 1.30x dense (alg 17)",
+        "cuSPARSELt, sm90, bfloat16, 1.30x dense (alg 17, as CUDA graphs)",
         "cusparselt",
     )

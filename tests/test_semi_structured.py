@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityAlgorithm, SparsityCallback, register_algorithm
+from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends import speed
 from lightning_sparse.backends.masked import (
@@ -294,20 +295,48 @@ def test_verify_speed_measures_each_shape_once_and_keeps_slow_layers_dense(
     pretend_gpu(monkeypatch)
     measured = []
 
-    def fake_measure(shape, dtype, kernel, device, tokens):
-        measured.append((shape, dtype, kernel))
-        return speed.SpeedMeasurement(ratio=0.8, error=0.0)
+    def fake_measure(shape, dtype, kernel, device, tokens, timing):
+        measured.append((shape, dtype, kernel, timing))
+        return speed.SpeedMeasurement(ratio=0.8, error=0.0, timing=timing)
 
     monkeypatch.setattr(speed, "measure_speedup", fake_measure)
     _, cb, seen = fit("auto", verify_speed=True)
-    assert measured == [((WIDTH, WIDTH), torch.bfloat16, "cusparselt")]  # fc1 = fc2
+    # fc1 = fc2, measured once; eagerly, as the model (not compiled) runs
+    assert measured == [((WIDTH, WIDTH), torch.bfloat16, "cusparselt", "eager")]
     choice = cb.sparsifier.backends[0, "net.fc2.weight"]
-    assert (
-        choice.name == "masked" and "sparse 0.80x dense, so kept dense" in choice.reason
-    )
+    assert choice.name == "masked"
+    assert "sparse 0.80x dense (eager), so kept dense" in choice.reason
     assert seen.classes[0] == "MaskedLinear"
     with pytest.raises(ValueError, match=r"verify_speed=True .* use backend='auto'"):
         SparsityCallback(sparsity="2:4", backend="masked", verify_speed=True)
+
+
+def test_verify_speed_times_a_model_compiled_with_cuda_graphs_as_cuda_graphs(
+    monkeypatch,
+):
+    """``verify_speed=True`` on a model compiled with ``mode="reduce-overhead"`` (compiled
+    lazily, never run here) times each layer replayed as a CUDA graph; naming
+    ``"cuda_graphs"`` for a model that is not compiled so warns."""
+    pretend_gpu(monkeypatch)
+    timings = []
+
+    def fake_measure(shape, dtype, kernel, device, tokens, timing):
+        timings.append(timing)
+        return speed.SpeedMeasurement(ratio=1.3, error=0.0, timing="as CUDA graphs")
+
+    monkeypatch.setattr(speed, "measure_speedup", fake_measure)
+    run = RunLength(total_steps=10)
+    compiled = TinyModule(width=WIDTH, inputs=WIDTH)
+    compiled.net.compile(mode="reduce-overhead")
+    cb = SparsityCallback(sparsity="2:4", verify_speed=True, verbose=False)
+    sparsifier, _ = cb.build(compiled, run, torch.bfloat16)
+    assert timings == ["cuda_graphs"]
+    assert sparsifier.backends[0, "net.fc1.weight"].reason.endswith(
+        "1.30x dense (as CUDA graphs)"
+    )
+    cb = SparsityCallback(sparsity="2:4", verify_speed="cuda_graphs", verbose=False)
+    with pytest.warns(UserWarning, match="not compiled with CUDA graphs"):
+        cb.build(TinyModule(width=WIDTH, inputs=WIDTH), run, torch.bfloat16)
 
 
 def test_measure_speedup_runs_end_to_end_on_the_emulation():

@@ -198,11 +198,18 @@ def test_compiled_layer_after_a_swap_back_is_dense():
 
 
 @pytest.mark.parametrize("kernel", kernels())
-def test_verify_speed_measures_a_ratio(kernel):
+@pytest.mark.parametrize("timing", ["eager", "cuda_graphs"])
+def test_verify_speed_measures_a_ratio(kernel, timing):
     measured = measure_speedup(
-        (1024, 1024), torch.bfloat16, kernel, torch.device("cuda"), 2048
+        (1024, 1024), torch.bfloat16, kernel, torch.device("cuda"), 2048, timing
     )
     assert 0.05 < measured.ratio < 20 and measured.error < 0.02
+    if timing == "eager":
+        assert measured.timing == "eager"
+    elif (
+        kernel == "cusparselt"
+    ):  # its custom ops capture (CUTLASS's may not: then it says so)
+        assert measured.timing == "as CUDA graphs"
 
 
 @pytest.mark.parametrize("kernel", kernels())

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lightning_sparse.backends.capability import semi_structured_kernel
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.kernel_check import TOLERANCE, check_kernel
-from lightning_sparse.backends.speed import SpeedMeasurement
+from lightning_sparse.backends.speed import TIMINGS, SpeedMeasurement
 from lightning_sparse.masks import NM, Sparsity, describe
 
 BACKEND_NAMES = ("auto", "masked", "semi_structured")
@@ -46,15 +46,19 @@ class BackendChoice:
     kernel: str | None = None
 
 
-def validate_backend(name: object, verify_speed: bool = False) -> str:
+def validate_backend(name: object, verify_speed: bool | str = False) -> str:
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend={name!r}; use one of {list(BACKEND_NAMES)}")
-    if not isinstance(verify_speed, bool):
-        raise TypeError(f"verify_speed={verify_speed!r}; use True or False")
+    if not (isinstance(verify_speed, bool) or verify_speed in TIMINGS):
+        raise TypeError(
+            f"verify_speed={verify_speed!r}; use True (time each layer as the model runs: "
+            f"as CUDA graphs where it is compiled with them, else eagerly), "
+            f"{' or '.join(map(repr, TIMINGS))} (time it that way), or False"
+        )
     if verify_speed and name != "auto":
         raise ValueError(
-            f"verify_speed=True picks, per layer, between the sparse kernel and dense math, "
-            f"which backend={name!r} does not do; use backend='auto'"
+            f"verify_speed={verify_speed!r} picks, per layer, between the sparse kernel and "
+            f"dense math, which backend={name!r} does not do; use backend='auto'"
         )
     return name  # type: ignore[return-value]
 
@@ -97,15 +101,13 @@ def choose_backend(
                 f"{why}: wrong results at shape {rows}x{cols} in verify_speed (relative "
                 f"error {measured.error:.2g}), so kept dense",
             )
-        ratio = measured.ratio
+        ratio, details = measured.ratio, measured.details()
         if ratio < 1.0:
             return BackendChoice(
                 "masked",
-                f"{why}: sparse {ratio:.2f}x dense, so kept dense (verify_speed)",
+                f"{why}: sparse {ratio:.2f}x dense ({details}), so kept dense (verify_speed)",
             )
-        why = f"{why}, {ratio:.2f}x dense"
-        if measured.algorithm:
-            why = f"{why} ({measured.algorithm})"
+        why = f"{why}, {ratio:.2f}x dense ({details})"
     return BackendChoice("semi_structured", why, kernel)
 
 

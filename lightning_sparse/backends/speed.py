@@ -6,7 +6,10 @@ than its dense matmul keeps running dense math (masked, the same function).
 
 The measurement is a training step's worth of one layer: ``tokens`` rows of random input in the
 matmul dtype, forward then backward (input and weight gradients), the runtime 2:4 projection
-included, the best of a few rounds after a warm-up. The weight has known values (distinct
+included, the best of a few rounds after a warm-up. It is timed the way the model runs
+(:func:`timing_for`): eagerly, or captured and replayed as a CUDA graph for a model compiled
+with CUDA graphs (``torch.compile(mode="reduce-overhead")``), where the cuSPARSELt calls'
+CPU cost, larger than the matmul at ViT and GPT-2 sizes, is not paid. The weight has known values (distinct
 magnitudes in every 4x4 tile), so the sparse output is also compared with dense math on the
 same 2:4 weight: a kernel that goes wrong only at some shapes is caught at those shapes.
 
@@ -25,8 +28,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_sparse.backends.cuda_graphs import (
+    compiled_with_cuda_graphs,
+    cuda_graphed,
+)
 from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
 from lightning_sparse.backends.kernel_check import known_values, relative_error
 from lightning_sparse.backends.semi_structured import semi_structured_linear
@@ -34,16 +41,47 @@ from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 VERIFY_TOKENS = 8192
 _ROUNDS, _CALLS, _WARMUP = 3, 5, 3
+EAGER, CUDA_GRAPHS = "eager", "cuda_graphs"
+TIMINGS = (EAGER, CUDA_GRAPHS)
+"""How ``verify_speed`` times a layer; ``verify_speed=True`` picks one by :func:`timing_for`."""
+
+
+def timing_for(verify_speed: bool | str, model: nn.Module) -> str | None:
+    """How ``verify_speed`` times ``model``'s layers: ``None`` (not at all), ``"eager"``, or
+    ``"cuda_graphs"``; ``True`` means as the model runs: ``"cuda_graphs"`` where it is
+    compiled with CUDA graphs (:func:`~lightning_sparse.backends.cuda_graphs.compiled_with_cuda_graphs`),
+    else ``"eager"``.
+
+    Example:
+        >>> net = nn.Linear(8, 8)
+        >>> timing_for(True, net), timing_for("cuda_graphs", net), timing_for(False, net)
+        ('eager', 'cuda_graphs', None)
+    """
+    if verify_speed is False:
+        return None
+    if verify_speed is True:
+        return CUDA_GRAPHS if compiled_with_cuda_graphs(model) else EAGER
+    if verify_speed not in TIMINGS:
+        raise ValueError(
+            f"verify_speed={verify_speed!r}; use True, False or one of {TIMINGS}"
+        )
+    return verify_speed
 
 
 @dataclass(frozen=True)
 class SpeedMeasurement:
     """Dense time / sparse time of one layer shape, the sparse output's relative error
-    against dense math on the same 2:4 weight, and the cuSPARSELt algorithms it ran."""
+    against dense math on the same 2:4 weight, the cuSPARSELt algorithms it ran and how it
+    was timed (``"eager"``, ``"as CUDA graphs"``, or why capture failed and it ran eagerly)."""
 
     ratio: float
     error: float
     algorithm: str = ""
+    timing: str = EAGER
+
+    def details(self) -> str:
+        """The algorithm and the timing, for a reason in the fit-start table."""
+        return ", ".join(part for part in (self.algorithm, self.timing) if part)
 
 
 def measure_speedup(
@@ -52,9 +90,11 @@ def measure_speedup(
     kernel: str,
     device: torch.device,
     tokens: int = VERIFY_TOKENS,
+    timing: str = EAGER,
 ) -> SpeedMeasurement:
-    """Time forward+backward of a Linear weight of ``shape``, sparse against dense, and
-    compare the sparse output with dense math."""
+    """Time forward+backward of a Linear weight of ``shape``, sparse against dense (eagerly,
+    or with ``timing="cuda_graphs"`` on a GPU, each replayed as a CUDA graph), and compare
+    the sparse output with dense math."""
     out_features, in_features = shape
     gen = {"device": device, "dtype": dtype}
     x = torch.randn(tokens, in_features, **gen, requires_grad=True)
@@ -71,14 +111,32 @@ def measure_speedup(
         out = semi_structured_linear(x, weight, None, kernel)
         w24 = weight * transposable_2to4_mask(weight)
         error = relative_error(out, F.linear(x, w24))
+    dense, sparse, how = _as_timed(dense, sparse, device, timing)
     ratio = _seconds(dense, device) / _seconds(sparse, device)
     algorithm = (
         ALGORITHMS.describe(out_features, in_features) if kernel == "cusparselt" else ""
     )
-    return SpeedMeasurement(ratio, error, algorithm)
+    return SpeedMeasurement(ratio, error, algorithm, how)
 
 
-def _seconds(step: Callable[[], None], device: torch.device) -> float:
+def _as_timed(
+    dense: Callable[[], None],
+    sparse: Callable[[], None],
+    device: torch.device,
+    timing: str,
+) -> tuple[Callable[[], object], Callable[[], object], str]:
+    """The two steps as they are timed, and how: replayed as CUDA graphs for
+    ``timing="cuda_graphs"`` on a GPU, else (or where capture fails, saying why) eagerly."""
+    if timing != CUDA_GRAPHS or device.type != "cuda":
+        return dense, sparse, EAGER
+    try:
+        return cuda_graphed(dense), cuda_graphed(sparse), "as CUDA graphs"
+    except RuntimeError as err:
+        first_line = (str(err).strip().splitlines() or [""])[0][:120]
+        return dense, sparse, f"eager: CUDA graph capture failed ({first_line})"
+
+
+def _seconds(step: Callable[[], object], device: torch.device) -> float:
     for _ in range(_WARMUP):
         step()
     best = float("inf")
@@ -98,7 +156,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 class SpeedCheck:
-    """Sparse-vs-dense measurements, once per (shape, dtype, kernel, device).
+    """Sparse-vs-dense measurements, once per (shape, dtype, kernel, device), timed by
+    ``timing`` (see :data:`TIMINGS`).
 
     Example:
         >>> check = SpeedCheck(tokens=32)
@@ -109,8 +168,9 @@ class SpeedCheck:
         1
     """
 
-    def __init__(self, tokens: int = VERIFY_TOKENS) -> None:
+    def __init__(self, tokens: int = VERIFY_TOKENS, timing: str = EAGER) -> None:
         self.tokens = tokens
+        self.timing = timing
         self.results: dict[tuple, SpeedMeasurement] = {}
 
     def __call__(
@@ -119,6 +179,6 @@ class SpeedCheck:
         key = (tuple(weight.shape), dtype, kernel, weight.device)
         if key not in self.results:
             self.results[key] = measure_speedup(
-                key[0], dtype, kernel, weight.device, self.tokens
+                key[0], dtype, kernel, weight.device, self.tokens, self.timing
             )
         return self.results[key]

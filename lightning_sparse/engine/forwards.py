@@ -49,7 +49,7 @@ from lightning_sparse.backends.semi_structured import (
     NotTransposableError,
     install_semi_structured_forward,
 )
-from lightning_sparse.backends.speed import SpeedCheck
+from lightning_sparse.backends.speed import EAGER, SpeedCheck
 from lightning_sparse.core.layers import LayerType
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
@@ -67,7 +67,8 @@ class LayerForwards:
         backend: ``"auto"``, ``"masked"`` or ``"semi_structured"`` (see
             :mod:`lightning_sparse.backends`).
         compute_dtype: the autocast dtype of the matmuls (``None``: the weights' own dtype).
-        verify_speed: with ``backend="auto"``, time each distinct layer shape once and keep
+        verify_speed: with ``backend="auto"``, time each distinct layer shape once (``True`` or
+            ``"eager"``: eagerly; ``"cuda_graphs"``: replayed as CUDA graphs) and keep
             dense math where the sparse kernel is slower.
         gpu: choose for this GPU instead of the weights' device (predictions for a plan).
         log: called with a message when a layer falls back to masked math.
@@ -81,14 +82,15 @@ class LayerForwards:
         algorithms: Mapping[int, SparsityAlgorithm],
         backend: str = "auto",
         compute_dtype: torch.dtype | None = None,
-        verify_speed: bool = False,
+        verify_speed: bool | str = False,
         gpu: GpuTarget | None = None,
         log: Callable[[str], None] = lambda message: None,
     ) -> None:
         self.name = name
         self.log = log
         self.backend = validate_backend(backend, verify_speed)
-        speedup = SpeedCheck() if verify_speed and gpu is None else None
+        timing = verify_speed if isinstance(verify_speed, str) else EAGER
+        speedup = SpeedCheck(timing=timing) if verify_speed and gpu is None else None
         self.choices: dict[tuple[int, str], BackendChoice] = {}
         for phase in phases:
             if phase.index not in algorithms:

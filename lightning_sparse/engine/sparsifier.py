@@ -88,7 +88,8 @@ class Sparsifier:
             :mod:`lightning_sparse.backends`); chosen per parameter and phase at construction.
         log: called with a message whenever the group changes phase or skips an update.
         compute_dtype: the autocast dtype of the matmuls (``None``: the weights' own dtype).
-        verify_speed: with ``backend="auto"``, time each distinct layer shape once, sparse
+        verify_speed: with ``backend="auto"``, time each distinct layer shape once (``True``
+            or ``"eager"``: eagerly; ``"cuda_graphs"``: replayed as CUDA graphs), sparse
             against dense, and keep dense math where the sparse kernel is slower.
         gpu: choose backends for this GPU instead of the weights' device (a plan for another
             machine: the choices are predictions, and ``verify_speed`` measures nothing).
@@ -116,7 +117,7 @@ class Sparsifier:
         backend: str = "auto",
         log: Callable[[str], None] = lambda message: None,
         compute_dtype: torch.dtype | None = None,
-        verify_speed: bool = False,
+        verify_speed: bool | str = False,
         gpu: GpuTarget | None = None,
         calibration_forwards: Callable[[int, int], int] | None = None,
         allow_skipped_layers: bool = False,
