@@ -219,6 +219,31 @@ def odd_shards() -> dict[str, Any]:
     return report
 
 
+def agreed_backends() -> dict[str, Any]:
+    """``verify_speed`` timed 1.05x on rank 0 and 0.95x on rank 1 (a pretend sm90 GPU, the
+    kernel check passed): both ranks keep the layers dense, and say why."""
+    from lightning_sparse.algorithms import build_algorithm
+    from lightning_sparse.backends import capability
+    from lightning_sparse.backends.speed import SpeedMeasurement
+    from lightning_sparse.engine import forwards
+
+    rank = int(os.environ["LOCAL_RANK"])
+    capability.device_capability = lambda device: (9, 0)
+    capability.cusparselt_available = lambda: True
+    ratio = (1.05, 0.95)[rank]
+    forwards.SpeedCheck = lambda **options: (
+        lambda weight, kernel, dtype: SpeedMeasurement(ratio, 0.0)
+    )
+    net = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
+    targets = select_parameters(net, params=["0.weight"]).targets
+    phases = resolve_phases([Phase(sparsity="2:4")], 10)
+    chosen = forwards.LayerForwards(
+        "agree", targets, phases, {0: build_algorithm(phases[0])},
+        compute_dtype=torch.bfloat16, verify_speed=True,
+    ).choices[0, "0.weight"]  # fmt: skip
+    return {"name": chosen.name, "reason": chosen.reason}
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     report: dict[str, Any] = {}
@@ -235,6 +260,9 @@ def main() -> None:
         )
     if "fsdp2" in cfg["strategies"]:
         report["odd_shards"] = odd_shards()
+    report["agreed_backends"] = (
+        agreed_backends()
+    )  # last: it patches the capability rules
     rank = int(os.environ["LOCAL_RANK"])
     (Path(cfg["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
 

@@ -238,6 +238,17 @@ def test_fsdp2_masks_on_uneven_and_column_shards_equal_whole_tensor_topk(job):
 FSDP1_ERROR = r"FSDPStrategy \(strategy='fsdp', FSDP1\).*Use ModelParallelStrategy"
 
 
+def test_ranks_agree_on_one_backend_per_layer_under_verify_speed(job):
+    """One rank timed 2:4 faster (1.05x), the other slower (0.95x): both keep it dense."""
+    faster, slower = (report["agreed_backends"] for report in job)
+    assert faster["name"] == slower["name"] == "masked"
+    assert faster["reason"].startswith("kept dense: on another rank verify_speed found")
+    assert faster["reason"].endswith("1.05x dense (eager))")
+    assert (
+        "sparse 0.95x dense (eager), so kept dense (verify_speed)" in slower["reason"]
+    )
+
+
 def test_fsdp1_strategy_is_refused_with_the_fix():
     # Lightning runs strategy='fsdp' only on CUDA; the check itself needs no GPU.
     trainer = SimpleNamespace(strategy=FSDPStrategy())

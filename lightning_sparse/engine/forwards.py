@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse.algorithms import SparsityAlgorithm
@@ -68,7 +69,8 @@ class LayerForwards:
             :mod:`lightning_sparse.backends`).
         compute_dtype: the autocast dtype of the matmuls (``None``: the weights' own dtype).
         verify_speed: with ``backend="auto"``, time each distinct layer shape once (``True`` or
-            ``"eager"``: eagerly; ``"cuda_graphs"``: replayed as CUDA graphs) and keep
+            ``"eager"``: eagerly; ``"cuda_graphs"``: replayed as CUDA graphs; in a distributed
+            run on every rank, which then agree: :func:`agree_across_ranks`) and keep
             dense math where the sparse kernel is slower.
         gpu: choose for this GPU instead of the weights' device (predictions for a plan).
         log: called with a message when a layer falls back to masked math.
@@ -110,6 +112,8 @@ class LayerForwards:
                     # a kernel forward would never run; the stored zeros are read
                     choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
                 self.choices[phase.index, t.name] = choice
+        if speedup is not None:
+            agree_across_ranks(self.choices)
         if backend == "semi_structured":
             require_semi_structured(
                 [
@@ -249,9 +253,42 @@ class Projection:
         return self.algo.traceable(self.layer.to_rows(weight))
 
 
+def agree_across_ranks(choices: dict[tuple[int, str], BackendChoice]) -> None:
+    """In a distributed run, keep a layer on its 2:4 kernel only where every rank chose it:
+    ``verify_speed``'s timings differ a little from rank to rank, and one rank finding a shape
+    slower must not leave the ranks running different kernels. A collective: in a distributed
+    run every rank must call it, with the same keys (the callback builds the same engine on
+    every rank at fit start)."""
+    if (
+        not (dist.is_available() and dist.is_initialized())
+        or dist.get_world_size() == 1
+    ):
+        return
+    keys = sorted(choices)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    kept = torch.tensor(
+        [choices[key].name == "semi_structured" for key in keys],
+        dtype=torch.int32,
+        device=device,
+    )
+    dist.all_reduce(kept, op=dist.ReduceOp.MIN)
+    for key, agreed in zip(keys, kept.tolist()):
+        if choices[key].name == "semi_structured" and not agreed:
+            choices[key] = BackendChoice(
+                "masked",
+                f"kept dense: on another rank verify_speed found 2:4 slower or the kernel "
+                f"check failed, and every rank runs one backend per layer (here: "
+                f"{choices[key].reason})",
+            )
+
+
 def projection(t: ParamTarget, algo: SparsityAlgorithm) -> Projection:
     """``algo.project`` for ``t``'s stored layout (see :class:`Projection`)."""
     return Projection(algo, t.layer)
 
 
-__all__ = ["LayerForwards", "Projection", "projection"]
+__all__ = ["LayerForwards", "Projection", "agree_across_ranks", "projection"]
