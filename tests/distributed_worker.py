@@ -232,7 +232,7 @@ def agreed_backends() -> dict[str, Any]:
     capability.cusparselt_available = lambda: True
     ratio = (1.05, 0.95)[rank]
     forwards.SpeedCheck = lambda **options: (
-        lambda weight, kernel, dtype: SpeedMeasurement(ratio, 0.0)
+        lambda weight, kernel, dtype, stored: SpeedMeasurement(ratio, 0.0)
     )
     net = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
     targets = select_parameters(net, params=["0.weight"]).targets

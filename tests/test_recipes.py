@@ -97,7 +97,9 @@ def test_gpt2_24_recipe_would_run_its_mlps_on_2to4_kernels_on_an_sm80_gpu(
     pretend_gpu(monkeypatch)
     timed = []  # verify_speed: true in the recipe, but a plan times nothing
     monkeypatch.setattr(
-        forwards, "SpeedCheck", lambda **options: lambda *args: timed.append(args)
+        forwards,
+        "SpeedCheck",
+        lambda **options: lambda *args, **kwargs: timed.append(args),
     )
     plan(RECIPES / "gpt" / "gpt2_24_70pct.yaml", tmp_path, "--plot=false")
     out = capsys.readouterr().out

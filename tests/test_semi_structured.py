@@ -289,24 +289,34 @@ def test_a_non_transposable_custom_mask_runs_masked_or_raises(
         fit("semi_structured", phases, steps=2)
 
 
+@pytest.mark.parametrize("algorithm", ["runtime", "static"])
 def test_verify_speed_measures_each_shape_once_and_keeps_slow_layers_dense(
-    monkeypatch,
+    monkeypatch, algorithm
 ):
+    """Each shape is timed once, as its phase runs: a mask projected per forward
+    (``runtime``) or a stored one (``static``, packed ahead of the steps)."""
     pretend_gpu(monkeypatch)
     measured = []
 
-    def fake_measure(shape, dtype, kernel, device, tokens, timing):
-        measured.append((shape, dtype, kernel, timing))
-        return speed.SpeedMeasurement(ratio=0.8, error=0.0, timing=timing)
+    def fake_measure(shape, dtype, kernel, device, tokens, timing, stored):
+        measured.append((shape, dtype, kernel, timing, stored))
+        return speed.SpeedMeasurement(0.8, 0.0, timing=timing, stored=stored)
 
     monkeypatch.setattr(speed, "measure_speedup", fake_measure)
-    _, cb, seen = fit("auto", verify_speed=True)
+    phases = [
+        {"sparsity": "2:4", "algorithm": algorithm, "until": 4},
+        {"sparsity": 0.0},
+    ]
+    _, cb, seen = fit("auto", phases, verify_speed=True)
+    stored = algorithm == "static"
     # fc1 = fc2, measured once; eagerly, as the model (not compiled) runs
-    assert measured == [((WIDTH, WIDTH), torch.bfloat16, "cusparselt", "eager")]
+    assert measured == [((WIDTH, WIDTH), torch.bfloat16, "cusparselt", "eager", stored)]
     choice = cb.sparsifier.backends[0, "net.fc2.weight"]
+    details = "stored mask, eager" if stored else "eager"
     assert choice.name == "masked"
-    assert "sparse 0.80x dense (eager), so kept dense" in choice.reason
-    assert seen.classes[0] == "MaskedLinear"
+    assert f"sparse 0.80x dense ({details}), so kept dense" in choice.reason
+    # masked math: a projecting forward, or the stored zeros of a hard mask in a plain layer
+    assert seen.classes[0] == ("Linear" if stored else "MaskedLinear")
     with pytest.raises(ValueError, match=r"verify_speed=True .* use backend='auto'"):
         SparsityCallback(sparsity="2:4", backend="masked", verify_speed=True)
 
@@ -320,7 +330,7 @@ def test_verify_speed_times_a_model_compiled_with_cuda_graphs_as_cuda_graphs(
     pretend_gpu(monkeypatch)
     timings = []
 
-    def fake_measure(shape, dtype, kernel, device, tokens, timing):
+    def fake_measure(shape, dtype, kernel, device, tokens, timing, stored):
         timings.append(timing)
         return speed.SpeedMeasurement(ratio=1.3, error=0.0, timing="as CUDA graphs")
 
@@ -339,11 +349,13 @@ def test_verify_speed_times_a_model_compiled_with_cuda_graphs_as_cuda_graphs(
         cb.build(TinyModule(width=WIDTH, inputs=WIDTH), run, torch.bfloat16)
 
 
-def test_measure_speedup_runs_end_to_end_on_the_emulation():
+@pytest.mark.parametrize("stored", [False, True])
+def test_measure_speedup_runs_end_to_end_on_the_emulation(stored):
     measured = speed.measure_speedup(
-        (32, 64), torch.float32, "emulated", torch.device("cpu"), 16
+        (32, 64), torch.float32, "emulated", torch.device("cpu"), 16, stored=stored
     )
     assert 0 < measured.ratio < float("inf") and measured.error < 1e-6
+    assert measured.stored is stored
 
 
 class StopAfter(L.Callback):

@@ -199,9 +199,10 @@ def test_compiled_layer_after_a_swap_back_is_dense():
 
 @pytest.mark.parametrize("kernel", kernels())
 @pytest.mark.parametrize("timing", ["eager", "cuda_graphs"])
-def test_verify_speed_measures_a_ratio(kernel, timing):
+@pytest.mark.parametrize("stored", [False, True], ids=["projected", "stored_mask"])
+def test_verify_speed_measures_a_ratio(kernel, timing, stored):
     measured = measure_speedup(
-        (1024, 1024), torch.bfloat16, kernel, torch.device("cuda"), 2048, timing
+        (1024, 1024), torch.bfloat16, kernel, torch.device("cuda"), 2048, timing, stored
     )
     assert 0.05 < measured.ratio < 20 and measured.error < 0.02
     if timing == "eager":

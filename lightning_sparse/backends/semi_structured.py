@@ -148,11 +148,7 @@ def _checked_linears(
 
     def stored(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         mask = transposable_2to4_mask(weight.detach())
-        packing = (
-            mask_packing(mask, mask)
-            if kernel == "cusparselt" and packs_stored_masks(tuple(mask.shape))
-            else None
-        )
+        packing = stored_mask_packing(kernel, mask, mask)
         return semi_structured_linear(x, weight, bias, kernel, mask, packing)
 
     return [projected, stored]
@@ -211,7 +207,9 @@ class SemiStructuredForward(SparseForwardMixin):
             and not torch.compiler.is_compiling()
             and mask._version != packing.version  # changed in place since installed
         ):
-            packing = self._ls_packing = _pack_mask(self, mask, packing)
+            packing = self._ls_packing = stored_mask_packing(
+                self._ls_kernel, matrix(mask).contiguous(), mask, packing
+            )
         return semi_structured_linear(
             input,
             matrix(self.weight),
@@ -261,16 +259,21 @@ def install_semi_structured_forward(
     swap_forward(module, _SEMI_STRUCTURED_CLASSES, mask=mask)
     module._ls_kernel = kernel
     module._ls_packing = (
-        _pack_mask(module, mask, previous)
-        if kernel == "cusparselt"
-        and mask is not None
-        and packs_stored_masks(tuple(module._ls_layer.matrix(mask).shape))
-        else None
+        None
+        if mask is None
+        else stored_mask_packing(
+            kernel, module._ls_layer.matrix(mask).contiguous(), mask, previous
+        )
     )
 
 
-def _pack_mask(
-    module: nn.Module, mask: Tensor, previous: MaskPacking | None
-) -> MaskPacking:
-    matrix = module._ls_layer.matrix(mask).contiguous()
-    return mask_packing(matrix, mask, previous)
+def stored_mask_packing(
+    kernel: str, matrix: Tensor, stored: Tensor, previous: MaskPacking | None = None
+) -> MaskPacking | None:
+    """What ``kernel`` packs of a stored mask ahead of the steps: for cuSPARSELt, the
+    :func:`~lightning_sparse.backends.cusparselt.mask_packing` of the ``(out, in)`` bool
+    ``matrix`` (``stored``: the mask as kept, whose version is recorded; ``previous``: the
+    packing to write into), where our packer knows the shape; else ``None``."""
+    if kernel != "cusparselt" or not packs_stored_masks(tuple(matrix.shape)):
+        return None
+    return mask_packing(matrix, stored, previous)

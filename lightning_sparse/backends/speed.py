@@ -36,7 +36,10 @@ from lightning_sparse.backends.cuda_graphs import (
 )
 from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
 from lightning_sparse.backends.kernel_check import known_values, relative_error
-from lightning_sparse.backends.semi_structured import semi_structured_linear
+from lightning_sparse.backends.semi_structured import (
+    semi_structured_linear,
+    stored_mask_packing,
+)
 from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 VERIFY_TOKENS = 8192
@@ -78,10 +81,13 @@ class SpeedMeasurement:
     error: float
     algorithm: str = ""
     timing: str = EAGER
+    stored: bool = False
+    """Timed with a stored mask (packed ahead of the steps), not one projected per forward."""
 
     def details(self) -> str:
-        """The algorithm and the timing, for a reason in the fit-start table."""
-        return ", ".join(part for part in (self.algorithm, self.timing) if part)
+        """The algorithm, a stored mask and the timing, for a reason in the fit-start table."""
+        parts = (self.algorithm, "stored mask" if self.stored else "", self.timing)
+        return ", ".join(part for part in parts if part)
 
 
 def measure_speedup(
@@ -91,10 +97,12 @@ def measure_speedup(
     device: torch.device,
     tokens: int = VERIFY_TOKENS,
     timing: str = EAGER,
+    stored: bool = False,
 ) -> SpeedMeasurement:
     """Time forward+backward of a Linear weight of ``shape``, sparse against dense (eagerly,
     or with ``timing="cuda_graphs"`` on a GPU, each replayed as a CUDA graph), and compare
-    the sparse output with dense math."""
+    the sparse output with dense math. ``stored``: with a stored mask, as ``static`` and
+    ``magnitude`` phases run (packed ahead of the steps), else projected at every forward."""
     out_features, in_features = shape
     gen = {"device": device, "dtype": dtype}
     x = torch.randn(tokens, in_features, **gen, requires_grad=True)
@@ -104,11 +112,14 @@ def measure_speedup(
     def dense() -> None:
         F.linear(x, weight).backward(grad)
 
+    mask = transposable_2to4_mask(weight.detach()) if stored else None
+    packing = None if mask is None else stored_mask_packing(kernel, mask, mask)
+
     def sparse() -> None:
-        semi_structured_linear(x, weight, None, kernel).backward(grad)
+        semi_structured_linear(x, weight, None, kernel, mask, packing).backward(grad)
 
     with torch.no_grad():
-        out = semi_structured_linear(x, weight, None, kernel)
+        out = semi_structured_linear(x, weight, None, kernel, mask, packing)
         w24 = weight * transposable_2to4_mask(weight)
         error = relative_error(out, F.linear(x, w24))
     dense, sparse, how = _as_timed(dense, sparse, device, timing)
@@ -116,7 +127,7 @@ def measure_speedup(
     algorithm = (
         ALGORITHMS.describe(out_features, in_features) if kernel == "cusparselt" else ""
     )
-    return SpeedMeasurement(ratio, error, algorithm, how)
+    return SpeedMeasurement(ratio, error, algorithm, how, stored)
 
 
 def _as_timed(
@@ -174,11 +185,12 @@ class SpeedCheck:
         self.results: dict[tuple, SpeedMeasurement] = {}
 
     def __call__(
-        self, weight: Tensor, kernel: str, dtype: torch.dtype
+        self, weight: Tensor, kernel: str, dtype: torch.dtype, stored: bool = False
     ) -> SpeedMeasurement:
-        key = (tuple(weight.shape), dtype, kernel, weight.device)
+        """The measurement for ``weight``'s shape (``stored``: with a stored mask)."""
+        key = (tuple(weight.shape), dtype, kernel, weight.device, stored)
         if key not in self.results:
             self.results[key] = measure_speedup(
-                key[0], dtype, kernel, weight.device, self.tokens, self.timing
+                key[0], dtype, kernel, weight.device, self.tokens, self.timing, stored
             )
         return self.results[key]

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -97,7 +98,14 @@ class LayerForwards:
         for phase in phases:
             if phase.index not in algorithms:
                 continue
-            check_phase(phase, algorithms[phase.index], targets)
+            algo = algorithms[phase.index]
+            check_phase(phase, algo, targets)
+            # timed as the phase runs: a mask projected per forward, or a stored one
+            measure = (
+                None
+                if speedup is None
+                else functools.partial(speedup, stored=not algo.projects)
+            )
             for t in targets:
                 choice = choose_backend(
                     backend,
@@ -105,7 +113,7 @@ class LayerForwards:
                     t.param,
                     t.owners,
                     compute_dtype,
-                    speedup,
+                    measure,
                     gpu,
                 )
                 if choice.name == "semi_structured" and t.readers:
