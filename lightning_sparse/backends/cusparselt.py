@@ -259,7 +259,7 @@ def mask_packing(
 ) -> MaskPacking:
     """The :class:`MaskPacking` of the bool ``(out, in)`` mask ``matrix`` (``stored``: the
     mask as the engine keeps it, whose version counter is recorded), written into
-    ``previous``'s tensors when it has the same shape. The shape must
+    ``previous``'s tensors when they have its shape and device. The shape must
     :func:`packs_stored_masks`.
 
     Example:
@@ -274,7 +274,11 @@ def mask_packing(
     """
     rows, columns = packing(matrix), packing(matrix.t().contiguous())
     version = stored._version
-    if previous is None or previous.rows.shape != rows.shape:
+    fresh = previous is None or (previous.rows.shape, previous.mask.device) != (
+        rows.shape,
+        matrix.device,
+    )
+    if fresh:
         return MaskPacking(matrix.clone(), rows, columns, version)
     previous.mask.copy_(matrix)
     for old, new in ((previous.rows, rows), (previous.columns, columns)):
