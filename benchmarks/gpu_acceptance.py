@@ -777,6 +777,7 @@ def compiled_linear(tokens: int, fan_in: int, fan_out: int) -> Callable:
     return lambda records: first(
         records, "ratio", table="layers", tokens=tokens, in_features=fan_in,
         out_features=fan_out, kernel="cusparselt", algorithm="searched", mode="compiled",
+        stored=False,
     )  # fmt: skip
 
 

@@ -20,7 +20,9 @@
   GPT-2 small (8192 tokens) and Llama-7B MLP up/down (16384 tokens): dense; the runtime 2:4
   layer (pruned and packed at every step, ``install_semi_structured_forward``) on cuSPARSELt
   with algorithm 0 and with the algorithm cuSPARSELt's search picks (CUTLASS too on sm8x); the
-  masked runtime 2:4 layer (dense math on the greedy 2:4 weight). Each eagerly, and compiled
+  2:4 layer with a stored mask (``static``/``magnitude`` phases: packed ahead, values gathered
+  per step); the masked runtime 2:4 layer (dense math on the greedy 2:4 weight, the projection
+  a runtime phase installs). Each eagerly, and compiled
   with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) for the ``--compiled`` shapes
   (by default the two of the acceptance targets: each compiled variant costs a compilation).
 
@@ -60,6 +62,7 @@ from common import (
     new_step,
 )
 
+from lightning_sparse.algorithms import build_algorithm
 from lightning_sparse.backends import capability, cusparselt
 from lightning_sparse.backends.cuda_graphs import cuda_graphed
 from lightning_sparse.backends.cusparselt import mask_packing
@@ -74,6 +77,9 @@ from lightning_sparse.backends.semi_structured import (
     LABELS,
     install_semi_structured_forward,
 )
+from lightning_sparse.core.layers import LINEAR
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.engine.forwards import Projection
 from lightning_sparse.masks.tiles import greedy_2to4_mask, transposable_2to4_mask
 
 STAGES = ("mask", "packing", "layers")
@@ -121,9 +127,22 @@ def layer_variants(device: torch.device) -> list[Variant]:
         else:  # cuSPARSELt, or on the CPU its emulation (which reads no algorithm)
             variants.append(Variant(f"{label}, alg 0", install, kernel, ALGORITHM_0))
             variants.append(Variant(f"{label}, searched", install, kernel))
-    masked = functools.partial(install_masked_forward, project=greedy_2to4_mask)
+            stored = functools.partial(install_stored_mask, kernel=kernel)
+            variants.append(Variant(f"{label}, stored mask, searched", stored, kernel))
+    # the projection a runtime 2:4 phase installs (traced into compiled graphs where it can)
+    runtime = build_algorithm(resolve_phases([Phase(sparsity="2:4")], total_steps=1)[0])
+    masked = functools.partial(
+        install_masked_forward, project=Projection(runtime, LINEAR)
+    )
     variants.append(Variant("2:4 masked runtime", masked, "masked"))
     return variants
+
+
+def install_stored_mask(layer: nn.Linear, kernel: str) -> None:
+    """The forward a ``static`` or ``magnitude`` 2:4 phase installs: the layer's transposable
+    2:4 mask stored (on cuSPARSELt, packed ahead of the steps)."""
+    mask = transposable_2to4_mask(layer.weight.detach())
+    install_semi_structured_forward(layer, kernel, mask)
 
 
 @contextlib.contextmanager
@@ -222,7 +241,7 @@ def layer_rows(
                 records.add(
                     table="layers", label=label, tokens=tokens, in_features=fan_in,
                     out_features=fan_out, variant=variant.name, kernel=variant.kernel,
-                    algorithm=algorithm_of(variant),
+                    algorithm=algorithm_of(variant), stored="stored mask" in variant.name,
                     mode=mode, ms=ms, ratio=ratio,
                 )  # fmt: skip
             name = variant.name

@@ -114,7 +114,11 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         {"table": "packing", "weight": "4096x1024", "in_use": False, "what": "W and W.T",
          "eager_ms": 0.01, "graphed_ms": 0.01},  # the packer not in use does not count
         {"table": "layers", "tokens": 16384, "in_features": 4096, "out_features": 11008,
-         "kernel": "cusparselt", "algorithm": "searched", "mode": "compiled", "ratio": 1.1},
+         "kernel": "cusparselt", "algorithm": "searched", "mode": "compiled",
+         "stored": True, "ratio": 1.5},  # a stored mask: not the runtime target's layer
+        {"table": "layers", "tokens": 16384, "in_features": 4096, "out_features": 11008,
+         "kernel": "cusparselt", "algorithm": "searched", "mode": "compiled",
+         "stored": False, "ratio": 1.1},
         {"table": "verify_speed", "kept_sparse": False, "ratio": 0.5},
     ]  # fmt: skip
     stages = [acceptance.Stage("s", records=records)]
