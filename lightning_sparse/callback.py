@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -109,7 +109,7 @@ class SparsityCallback(Callback):
         name: str = "sparsity",
         log_every_n_steps: int | None = None,
         verbose: bool = True,
-        verify_speed: bool | Literal["eager", "cuda_graphs"] = False,
+        verify_speed: bool | str = False,
         on_schedule_change: str = "error",
         allow_skipped_layers: bool = False,
     ) -> None:
@@ -233,6 +233,15 @@ class SparsityCallback(Callback):
             calibration_forwards=TrainLoaderForwards(trainer),
             example_forward=example_forward(pl_module, trainer),
         )
+        if self.verify_speed == CUDA_GRAPHS and not compiled_with_cuda_graphs(
+            pl_module
+        ):
+            rank_zero_warn(
+                f"[{self.name}] verify_speed='cuda_graphs' times each layer replayed as a CUDA "
+                f"graph, but the model is not compiled with CUDA graphs (torch.compile with "
+                f"mode='reduce-overhead' or 'max-autotune'): a layer kept on 2:4 kernels may "
+                f"run slower than dense eagerly; use verify_speed=True to time it as it runs"
+            )
         if self.verbose:
             rank_zero_info(plan_table(self.sparsifier, self.selection))
 
@@ -282,17 +291,6 @@ class SparsityCallback(Callback):
                 empty_selection_message(selection, self.name, type(pl_module).__name__)
             )
         timing = timing_for(self.verify_speed, pl_module)
-        if (
-            self.verify_speed == CUDA_GRAPHS
-            and gpu is None
-            and not compiled_with_cuda_graphs(pl_module)
-        ):
-            rank_zero_warn(
-                f"[{self.name}] verify_speed='cuda_graphs' times each layer replayed as a CUDA "
-                f"graph, but the model is not compiled with CUDA graphs (torch.compile with "
-                f"mode='reduce-overhead' or 'max-autotune'): a layer kept on 2:4 kernels may "
-                f"run slower than dense eagerly; use verify_speed=True to time it as it runs"
-            )
         sparsifier = Sparsifier(
             self.name,
             selection.targets,

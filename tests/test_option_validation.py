@@ -232,6 +232,32 @@ def test_yaml_strings_of_digits_are_integers_and_nan_is_refused(tmp_path):
         LightningCLI(TinyModule, run=False, args=["--config", str(config)])
 
 
+SPEED_YAML = """
+trainer:
+  callbacks:
+    - class_path: lightning_sparse.SparsityCallback
+      init_args: {{sparsity: '2:4', verify_speed: {value}}}
+"""
+
+
+def test_verify_speed_in_a_config_takes_its_values_and_names_them_otherwise(tmp_path):
+    config = tmp_path / "config.yaml"
+    for value, parsed in (
+        ("true", True),
+        ("cuda_graphs", "cuda_graphs"),
+        ("eager", "eager"),
+    ):
+        config.write_text(SPEED_YAML.format(value=value))
+        cli = LightningCLI(TinyModule, run=False, args=["--config", str(config)])
+        (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, SparsityCallback)]
+        assert cb.verify_speed == parsed
+    config.write_text(SPEED_YAML.format(value="graphs"))
+    with pytest.raises(
+        (TypeError, ValueError), match=r"verify_speed='graphs'; use True"
+    ):
+        LightningCLI(TinyModule, run=False, args=["--config", str(config)])
+
+
 def test_cerebras_configs_are_validated_when_translated():
     (cb,) = SparsityCallback.from_config(
         {"type": "sideband", "sparsity": 0.5, "seed": "1"}, verbose=False
