@@ -142,3 +142,56 @@ def test_kernel_path_traces_with_a_stand_in_kernel(monkeypatch):
         x.bfloat16(), wb * transposable_2to4_mask(wb), layer.bias.bfloat16()
     )
     assert torch.equal(ref, expected)
+
+
+def test_compiled_training_on_the_cusparselt_ops_follows_every_mask_update(monkeypatch):
+    """The cuSPARSELt custom ops (dense stand-in for the matmul, our packer's bytes unpacked)
+    in a compiled model through a runtime 2:4 phase and a magnitude phase that updates its
+    stored masks every step: the magnitude phase's graph is reused across the updates, which
+    reach it through the packing refreshed in place, so after the last update the compiled
+    model computes masked math on the current masks, and training matches eager."""
+    pretend_gpu(monkeypatch, (9, 0))
+    calls = dense_cusparselt(monkeypatch)
+    monkeypatch.setattr(ss, "kernel_runs", lambda weight, dtype: True)
+    phases = [
+        {"sparsity": "2:4", "until": 2},
+        {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 1},
+    ]
+
+    class MaskLog(L.Callback):
+        def __init__(self) -> None:
+            self.masks: list[torch.Tensor] = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            mask = pl_module.net.fc1._ls_mask  # None in the runtime phase
+            if mask is not None:
+                self.masks.append(mask.clone())
+
+    def fit(backend):
+        L.seed_everything(0, verbose=False)
+        model = CompiledTiny(backend, width=128, inputs=128, lr=0.05)
+        callbacks = [SparsityCallback(phases=phases, verbose=False), MaskLog()]
+        if backend:
+            callbacks.append(Recompiles(backend))
+        data = DataLoader(RepeatedBatch(n=24, batch_size=6, inputs=128), batch_size=6)
+        trainer = fast_trainer(max_steps=6, callbacks=callbacks, precision="bf16-mixed")
+        trainer.fit(model, data)
+        return model, callbacks
+
+    eager, _ = fit(None)
+    eager_calls = len(calls)
+    backend = CountingBackend()
+    compiled, (cb, log, counts) = fit(backend)
+    assert cb.sparsifier.backends[1, "net.fc1.weight"].name == "semi_structured"
+    assert (128, 72) in {shape for shape, _ in calls[eager_calls:]}  # packed bytes ran
+    assert not torch.equal(log.masks[-2], log.masks[-1])  # the last update moved a mask
+    seen = counts.seen
+    assert seen[3] == seen[4] == seen[5]  # mask updates reuse the graph
+    x = torch.randn(3, 128)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = compiled(x)
+        monkeypatch.setattr(ss, "kernel_runs", lambda weight, dtype: False)
+        reference = compiled.net(x)  # eager, masked math on the current masks
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-3)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-2)
