@@ -145,7 +145,9 @@ def test_a_reinstall_after_an_update_repacks_into_the_same_tensors():
     assert again.mask is first.mask
 
 
-def test_an_eager_forward_repacks_a_mask_changed_without_a_reinstall(monkeypatch):
+@pytest.fixture
+def stored_layer(monkeypatch):
+    """A bf16 256->128 Linear on the cuSPARSELt ops (dense stand-in) with a stored mask."""
     dense_cusparselt(monkeypatch)
     monkeypatch.setattr(ss, "kernel_runs", lambda weight, dtype: True)
     monkeypatch.setattr(cusparselt, "require_kernel", lambda *args: None)
@@ -153,6 +155,11 @@ def test_an_eager_forward_repacks_a_mask_changed_without_a_reinstall(monkeypatch
     mask = tile_mask(128, 256)
     layer = nn.Linear(256, 128).to(DTYPE)
     install_semi_structured_forward(layer, "cusparselt", mask)
+    return layer, mask
+
+
+def test_an_eager_forward_repacks_a_mask_changed_without_a_reinstall(stored_layer):
+    layer, mask = stored_layer
     mask.copy_(tile_mask(128, 256, seed=1))
     x = torch.randn(8, 256, dtype=DTYPE)
     out = layer(x)
@@ -160,15 +167,9 @@ def test_an_eager_forward_repacks_a_mask_changed_without_a_reinstall(monkeypatch
     torch.testing.assert_close(out, F.linear(x, layer.weight * mask, layer.bias))
 
 
-def test_a_compiled_layer_reads_the_packing_of_each_new_mask(monkeypatch):
+def test_a_compiled_layer_reads_the_packing_of_each_new_mask(stored_layer):
     """The compiled graph holds the packing's tensors; a reinstall refreshes them in place."""
-    dense_cusparselt(monkeypatch)
-    monkeypatch.setattr(ss, "kernel_runs", lambda weight, dtype: True)
-    monkeypatch.setattr(cusparselt, "require_kernel", lambda *args: None)
-    torch.manual_seed(0)
-    mask = tile_mask(128, 256)
-    layer = nn.Linear(256, 128).to(DTYPE)
-    install_semi_structured_forward(layer, "cusparselt", mask)
+    layer, mask = stored_layer
     graphs = []
 
     def recording(gm, example_inputs):
