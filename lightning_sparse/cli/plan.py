@@ -374,7 +374,8 @@ def backends_line(plan: SchedulePlan) -> str:
         f"measured speed. Fit start decides on the GPU itself: a kernel check runs a small "
         f"2:4 matmul through the training code and compares it with dense math (a kernel "
         f"that fails runs masked math), and with verify_speed=True each layer shape is timed "
-        f"and keeps dense math where 2:4 is slower ({MEASURED_2TO4})"
+        f"as the model runs (as CUDA graphs if it is compiled with them) and keeps dense math "
+        f"where 2:4 is slower ({MEASURED_2TO4})"
     )
 
 
