@@ -156,6 +156,31 @@ class CompiledTiny(TinyModule):
         return self.compiled(x) if self.backend else self.net(x)
 
 
+class CountingBackend:
+    """A ``torch.compile`` backend: ``aot_eager`` (forward and backward traced by
+    AOTAutograd), counting the graphs it compiles."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        self.compiles += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+class Recompiles(L.Callback):
+    """The graphs a :class:`CountingBackend` has compiled so far, before each optimizer step."""
+
+    def __init__(self, backend: CountingBackend) -> None:
+        self.backend = backend
+        self.seen: dict[int, int] = {}
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        self.seen[trainer.global_step] = self.backend.compiles
+
+
 def random_loader(
     n: int = 64, batch_size: int = 8, inputs: int = 8, seed: int = 0
 ) -> DataLoader:

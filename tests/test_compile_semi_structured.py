@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     CompiledTiny,
+    CountingBackend,
+    Recompiles,
     RepeatedBatch,
     dense_cusparselt,
     fast_trainer,
@@ -22,28 +24,6 @@ from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.masked import install_masked_forward, uninstall_forward
 from lightning_sparse.backends.semi_structured import install_semi_structured_forward
 from lightning_sparse.masks.tiles import transposable_2to4_mask
-
-
-class CountingBackend:
-    """``aot_eager`` (forward and backward traced by AOTAutograd), counting compilations."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-
-    def __call__(self, gm, example_inputs):
-        self.compiles += 1
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-
-class Recompiles(L.Callback):
-    """Compilations so far, before each optimizer step."""
-
-    def __init__(self, backend: CountingBackend) -> None:
-        self.backend = backend
-        self.seen: dict[int, int] = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.seen[trainer.global_step] = self.backend.compiles
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import fast_trainer, pretend_gpu
+from helpers import CountingBackend, Recompiles, fast_trainer, pretend_gpu
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sparse import SparsityCallback
@@ -29,29 +29,16 @@ PHASES = [
 
 class Compiles:
     """Stands in for ``torch.compile``: records what is compiled and in which mode, and
-    compiles it with ``aot_eager``, counting the graphs."""
+    compiles it with ``aot_eager``, counting the graphs (``counting``)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[object, str | None]] = []
-        self.graphs = 0
+        self.counting = CountingBackend()
         self.real = torch.compile
 
     def __call__(self, fn, mode=None, **kwargs):
         self.calls.append((getattr(fn, "__self__", fn), mode))
-        return self.real(fn, backend=self.backend, **kwargs)
-
-    def backend(self, gm, example_inputs):
-        self.graphs += 1
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-
-class GraphsPerStep(L.Callback):
-    def __init__(self, compiles: Compiles) -> None:
-        self.compiles = compiles
-        self.seen: dict[int, int] = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.seen[trainer.global_step] = self.compiles.graphs
+        return self.real(fn, backend=self.counting, **kwargs)
 
 
 @pytest.fixture
@@ -80,7 +67,7 @@ def test_compiled_gpt_trains_through_sparse_phases_like_eager(
         L.seed_everything(0, verbose=False)
         lm = GPTLanguageModel(n_layer=1, n_embd=128, block_size=16, compile=compile)
         cb = SparsityCallback(phases=PHASES, params=MLPS, verbose=False)
-        steps = GraphsPerStep(compiles)
+        steps = Recompiles(compiles.counting)
         trainer = fast_trainer(
             max_steps=7,
             callbacks=[cb, steps],
@@ -143,7 +130,7 @@ def test_dino_and_hf_compile_their_networks_in_place(compiles):
     crops = [torch.randn(2, 3, 32, 32)] * 2 + [torch.randn(2, 3, 16, 16)] * 2
     with torch.no_grad():
         out = dino.student(crops)
-        assert compiles.graphs > 0
+        assert compiles.counting.compiles > 0
         with torch.compiler.set_stance("force_eager"):
             torch.testing.assert_close(out, dino.student(crops))
 
