@@ -336,6 +336,22 @@ def pretend_gpu(
     monkeypatch.setattr(cap, "cusparselt_available", lambda: cusparselt)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw 16-bit words of a float16/bfloat16 tensor, flat (to compare packed bytes)."""
+    return t.contiguous().view(-1).view(torch.int16)
+
+
+def assert_packs_as(w24: torch.Tensor, expected: torch.Tensor) -> None:
+    """Our packer writes exactly ``expected`` (cuSPARSELt's bytes) for ``w24``, and those
+    bytes unpack to ``w24``."""
+    from lightning_sparse.backends.cusparselt_packer import compress, unpack
+
+    got = compress(w24)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.equal(bits(got), bits(expected))
+    assert torch.equal(unpack(expected, w24.shape), w24)
+
+
 def dense_cusparselt(monkeypatch: Any, packer_matches: bool = True) -> list[tuple]:
     """Run the cuSPARSELt custom ops on the CPU: their matmul is dense math on the weight that
     the packed bytes hold (unpacked by our packer), ``torch._cslt_compress`` returns the dense

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_packs_as, bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -26,11 +27,6 @@ FIXTURES = load_file(Path(__file__).parent / "fixtures" / "cusparselt_h100.safet
 PROBE_GROUPS = sorted(
     {key.split("/")[1] for key in FIXTURES if key.startswith("probes/group")}
 )
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw 16-bit words of a float16/bfloat16 tensor, flat."""
-    return t.contiguous().view(-1).view(torch.int16)
 
 
 def probe_base() -> torch.Tensor:
@@ -90,11 +86,9 @@ def reference(w: torch.Tensor) -> torch.Tensor:
 def test_compress_writes_the_captured_bytes_of_random_weights(shape, transpose):
     w24 = FIXTURES[f"random/{shape}/w24"]
     w = w24.t().contiguous() if transpose else w24
-    expected = FIXTURES[f"random/{shape}/compressed{'_t' if transpose else ''}"]
-    got = compress(w)
-    assert got.shape == expected.shape and got.dtype == expected.dtype
-    assert torch.equal(bits(got), bits(expected))
-    assert torch.equal(unpack(expected, w.shape), w)
+    assert_packs_as(
+        w, FIXTURES[f"random/{shape}/compressed{'_t' if transpose else ''}"]
+    )
 
 
 @pytest.mark.parametrize("group", PROBE_GROUPS)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_packs_as, bits
 
 from lightning_sparse.backends.capability import cusparselt_available
-from lightning_sparse.backends.cusparselt_packer import compress, packing, unpack
+from lightning_sparse.backends.cusparselt_packer import compress, packing
 from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
@@ -21,10 +22,6 @@ pytestmark = [
     ),
 ]
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.int16)
 
 
 def greedy_2to4(shape, dtype, seed=0) -> torch.Tensor:
@@ -49,11 +46,7 @@ def sparse_groups(shape, dtype, seed=0) -> torch.Tensor:
 def test_compress_writes_the_bytes_of_cslt_compress(shape, dtype):
     w24 = greedy_2to4(shape, dtype)
     for w in (w24, w24.t().contiguous(), sparse_groups(shape, dtype)):
-        expected = torch._cslt_compress(w)
-        got = compress(w)
-        assert got.shape == expected.shape and got.dtype == expected.dtype
-        assert torch.equal(bits(got), bits(expected))
-        assert torch.equal(unpack(expected, w.shape), w)
+        assert_packs_as(w, torch._cslt_compress(w))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
