@@ -210,13 +210,12 @@ class SemiStructuredForward(SparseForwardMixin):
             packing = self._ls_packing = stored_mask_packing(
                 self._ls_kernel, matrix(mask).contiguous(), mask, packing
             )
+        if packing is not None:  # it holds the mask's (out, in) matrix already
+            mask_matrix = packing.mask
+        else:
+            mask_matrix = None if mask is None else matrix(mask).contiguous()
         return semi_structured_linear(
-            input,
-            matrix(self.weight),
-            self.bias,
-            self._ls_kernel,
-            None if mask is None else matrix(mask).contiguous(),
-            packing,
+            input, matrix(self.weight), self.bias, self._ls_kernel, mask_matrix, packing
         )
 
 
