@@ -342,13 +342,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_packs_as(w24: torch.Tensor, expected: torch.Tensor) -> None:
-    """Our packer writes exactly ``expected`` (cuSPARSELt's bytes) for ``w24``, and those
+    """Our packer writes ``expected`` (cuSPARSELt's bytes) for ``w24``, stored zeros compared
+    by value (``canonical_words``: a compressor may write ``-0.0`` into padding), and those
     bytes unpack to ``w24``."""
-    from lightning_sparse.backends.cusparselt_packer import compress, unpack
+    from lightning_sparse.backends.cusparselt_packer import (
+        canonical_words,
+        compress,
+        unpack,
+    )
 
     got = compress(w24)
     assert got.shape == expected.shape and got.dtype == expected.dtype
-    assert torch.equal(bits(got), bits(expected))
+    assert torch.equal(canonical_words(got), canonical_words(expected))
     assert torch.equal(unpack(expected, w24.shape), w24)
 
 
@@ -377,6 +382,34 @@ def dense_cusparselt(monkeypatch: Any, packer_matches: bool = True) -> list[tupl
         cusparselt, "_compare_packers", lambda dtype, device: packer_matches
     )
     return calls
+
+
+def emulated_cusparselt(monkeypatch: Any, raw_padding: bool = False) -> None:
+    """``torch._cslt_compress`` and ``torch._cslt_sparse_mm`` on the CPU, in the layout our
+    packer writes (cuSPARSELt's, as captured on an H100): the compressor counts ``-0.0`` as
+    zero and, with ``raw_padding``, copies the bits at padded positions as they are (as
+    CUTLASS's sm90 compressor did, so a ``-0.0`` lands in the packed values); the matmul
+    multiplies densely by the weight the bytes hold."""
+    import torch.nn.functional as F
+
+    from lightning_sparse.backends import cusparselt_packer as packer
+
+    def cslt_compress(w24: torch.Tensor) -> torch.Tensor:
+        out = packer.compress(w24)
+        if raw_padding:
+            keys = packer._keys(w24 != 0)
+            positions = packer._tables(keys)[0].index_select(0, keys.view(-1))
+            groups = w24.contiguous().view(torch.int16).view(-1, 4)
+            torch.gather(groups, 1, positions, out=packer._regions(out)[0])
+        return out
+
+    def cslt_sparse_mm(packed, dense, bias=None, transpose_result=False, **options):
+        w24 = packer.unpack(packed, (packed.shape[0], dense.shape[0]))
+        out = F.linear(dense.t(), w24, bias)
+        return out if transpose_result else out.t()
+
+    monkeypatch.setattr(torch, "_cslt_compress", cslt_compress)
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", cslt_sparse_mm)
 
 
 def speed_rows(plan_text: str) -> dict[str, list[str]]:

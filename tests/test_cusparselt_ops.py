@@ -3,16 +3,24 @@ cuSPARSELt's matmul), the searched algorithm in every sparse matmul, and the cho
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import dense_cusparselt, pretend_gpu
+from helpers import bits, dense_cusparselt, emulated_cusparselt, pretend_gpu
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_sparse.backends import BackendChoice, choose_backend, cusparselt
+from lightning_sparse.backends import (
+    BackendChoice,
+    choose_backend,
+    cusparselt,
+    cusparselt_packer,
+)
 from lightning_sparse.backends import cusparselt_algorithms as algorithms
 from lightning_sparse.backends.cusparselt_algorithms import Algorithm, AlgorithmCache
+from lightning_sparse.backends.semi_structured import stored_mask_packing
 from lightning_sparse.backends.speed import SpeedMeasurement
 from lightning_sparse.masks import NM
 from lightning_sparse.masks.tiles import transposable_2to4_mask
@@ -72,13 +80,56 @@ def test_every_sparse_matmul_uses_the_searched_algorithm(monkeypatch):
         cusparselt.linear_24(x, w24, None).sum().backward()
     # forward, input gradient, once each; 300 tokens padded to 304 as torch pads them
     assert searched == [(256, 304), (128, 304)]
-    chosen = {"alg_id": 17, "split_k": 2, "split_k_mode": 1}
-    assert ran == [{"transpose_result": True, **chosen}] * 4
+    chosen = {"transpose_result": True, "alg_id": 17, "split_k": 2, "split_k_mode": 1}
+    default = {"transpose_result": True, "alg_id": 0, "split_k": 1, "split_k_mode": -1}
+    checked = [chosen, default]  # each search's choice, run once against algorithm 0
+    assert ran == [*checked, chosen, *checked, chosen, chosen, chosen]
+
+
+def wrong_split_k(packed, dense, bias=None, alg_id=0, **options):
+    """cuSPARSELt's matmul as dense math, where algorithm 5 sums wrongly (a split-k that
+    drops a partial sum)."""
+    out = F.linear(dense.t(), packed, bias)
+    return out * 0.5 if alg_id == 5 else out
+
+
+def test_a_searched_configuration_that_disagrees_with_algorithm_0_is_not_used(
+    monkeypatch,
+):
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", wrong_split_k)
+    cache = AlgorithmCache(lambda *args: Algorithm(5, split_k=2, split_k_mode=1))
+    packed, dense = torch.randn(128, 256), torch.randn(256, 64)
+    with pytest.warns(RuntimeWarning, match=r"alg 5, split-k 2 \(split-k mode 1\)"):
+        assert cache.choose(packed, dense, None, out_features=128) == algorithms.DEFAULT
+    assert cache.describe(128, 256) == "alg 0 (the searched alg 5, split-k 2 disagreed)"
+    bigger = torch.randn(512, 256)
+    with warnings.catch_warnings():  # one warning per process
+        warnings.simplefilter("error")
+        assert cache.choose(bigger, dense, None, 512) == algorithms.DEFAULT
+
+
+def test_a_searched_configuration_that_agrees_is_kept_and_bias_is_part_of_the_shape(
+    monkeypatch,
+):
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", wrong_split_k)
+    searched = []
+    cache = AlgorithmCache(lambda *args: searched.append(args[2]) or Algorithm(7))
+    packed, dense = torch.randn(128, 256), torch.randn(256, 64)
+    for bias in (None, torch.randn(128), None, torch.randn(128)):
+        assert cache.choose(packed, dense, bias, out_features=128) == Algorithm(7)
+    assert [b is None for b in searched] == [
+        True,
+        False,
+    ]  # one search with, one without
+    assert cache.describe(128, 256) == "alg 7"
 
 
 def test_the_cache_searches_once_per_shape_bucket_and_not_while_capturing(monkeypatch):
     calls = []
-    cache = AlgorithmCache(lambda *args: calls.append(args) or Algorithm(5))
+    cache = AlgorithmCache(
+        lambda *args: calls.append(args) or Algorithm(5),
+        run=lambda *args: torch.ones(1),  # every configuration agrees
+    )
     packed = torch.empty(128, 144, dtype=torch.bfloat16)
     for tokens in (300, 400, 512, 513):
         cache.choose(packed, torch.empty(256, tokens), None, out_features=128)
@@ -113,6 +164,67 @@ def test_a_packer_that_differs_warns_and_the_table_names_the_packer(monkeypatch)
     cuda = torch.device("cuda", 0)
     cusparselt._PACKER_MATCHES[torch.bfloat16, cuda] = True
     assert cusparselt.packer_note(torch.bfloat16, cuda) == "packed by lightning_sparse"
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_compressor_that_writes_negative_zeros_into_padding_leaves_our_packer_on(
+    monkeypatch, dtype
+):
+    """``weight * mask`` leaves ``-0.0`` at pruned negative weights; a compressor that copies
+    them into padding writes other bytes for the same weight, which must not turn the
+    packer off (it did: every packing then ran ``torch._cslt_compress``)."""
+    emulated_cusparselt(monkeypatch, raw_padding=True)
+    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "packed by torch._cslt_compress" warning
+        assert cusparselt.packer_matches(dtype, CPU)
+
+
+def test_a_packing_the_matmul_reads_otherwise_turns_our_packer_off(monkeypatch):
+    """The comparison multiplies too: equal bytes are not enough where the library's matmul
+    computes another product from our packing than from its own."""
+    emulated_cusparselt(monkeypatch)
+    mm = torch._cslt_sparse_mm
+    ours = set()
+
+    def tagged(w24):
+        packed = cusparselt_packer.compress(w24)
+        ours.add(packed.data_ptr())
+        return packed
+
+    def reads_ours_otherwise(packed, dense, *args, **kwargs):
+        out = mm(packed, dense, *args, **kwargs)
+        return out + 1 if packed.data_ptr() in ours else out
+
+    monkeypatch.setattr(cusparselt, "compress", tagged)
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", reads_ours_otherwise)
+    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    with pytest.warns(RuntimeWarning, match="packed by torch._cslt_compress"):
+        assert not cusparselt.packer_matches(torch.bfloat16, CPU)
+
+
+def test_cslt_compress_is_given_positive_zeros_only(monkeypatch):
+    """Where our packer is off, every path hands ``torch._cslt_compress`` a weight without
+    ``-0.0`` (a compressor may count one as a kept value)."""
+    dense_cusparselt(monkeypatch, packer_matches=False)
+    given = []
+    monkeypatch.setattr(
+        torch, "_cslt_compress", lambda w: given.append(bits(w)) or w.clone()
+    )
+    torch.manual_seed(0)
+    x = torch.randn(16, 256, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    mask = transposable_2to4_mask(weight.detach())
+    assert bits(weight.detach() * mask).eq(-0x8000).any()
+    packing = stored_mask_packing("cusparselt", mask, mask)
+    for stored in (None, packing):
+        out = cusparselt.cusparselt_linear(x, weight, None, mask, stored)
+        out.sum().backward()
+    assert len(given) == 4  # W and W.T, projected and stored
+    assert not any(words.eq(-0x8000).any() for words in given)
 
 
 def test_verify_speed_names_the_searched_algorithm(monkeypatch):

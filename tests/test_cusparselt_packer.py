@@ -91,6 +91,18 @@ def test_compress_writes_the_captured_bytes_of_random_weights(shape, transpose):
     )
 
 
+@pytest.mark.parametrize("shape", ["128x128", "128x256"])
+def test_negative_zeros_pack_to_the_captured_bytes(shape):
+    """``weight * mask`` leaves ``-0.0`` at pruned negative weights (and a kept weight may be
+    ``-0.0``): the bytes are those captured for the same weight with positive zeros."""
+    w24 = FIXTURES[f"random/{shape}/w24"]
+    signed = torch.where(w24 == 0, torch.tensor(-0.0, dtype=w24.dtype), w24)
+    assert bits(signed).eq(-0x8000).any()
+    for w, suffix in ((signed, ""), (signed.t().contiguous(), "_t")):
+        expected = FIXTURES[f"random/{shape}/compressed{suffix}"]
+        assert torch.equal(bits(compress(w)), bits(expected))
+
+
 @pytest.mark.parametrize("group", PROBE_GROUPS)
 def test_groups_keeping_fewer_than_two_are_padded_as_captured(group):
     base = FIXTURES["probes/base"]
@@ -103,10 +115,11 @@ def test_groups_keeping_fewer_than_two_are_padded_as_captured(group):
         w[g] = 0
         w[g, list(positions)] = 1
         got = compress(w.view(128, 128))
-        assert torch.equal(
-            bits(got), patched(base, FIXTURES[f"probes/{group}/{case}"])
-        ), case
+        expected = patched(base, FIXTURES[f"probes/{group}/{case}"])
+        assert torch.equal(bits(got), expected), case
         assert torch.equal(unpack(got, (128, 128)), w.view(128, 128)), case
+        signed = torch.where(w == 0, torch.tensor(-0.0, dtype=w.dtype), w)
+        assert torch.equal(bits(compress(signed.view(128, 128))), expected), case
 
 
 def test_every_groups_metadata_nibble_sits_where_captured():

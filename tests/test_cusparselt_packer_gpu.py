@@ -10,7 +10,13 @@ import torch
 from helpers import assert_packs_as, bits
 
 from lightning_sparse.backends.capability import cusparselt_available
-from lightning_sparse.backends.cusparselt_packer import compress, packing
+from lightning_sparse.backends.cusparselt import _compare_packers
+from lightning_sparse.backends.cusparselt_packer import (
+    canonical_words,
+    compress,
+    packing,
+    positive_zeros,
+)
 from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 SM80 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
@@ -46,16 +52,28 @@ def sparse_groups(shape, dtype, seed=0) -> torch.Tensor:
 def test_compress_writes_the_bytes_of_cslt_compress(shape, dtype):
     w24 = greedy_2to4(shape, dtype)
     for w in (w24, w24.t().contiguous(), sparse_groups(shape, dtype)):
-        assert_packs_as(w, torch._cslt_compress(w))
+        assert_packs_as(w, torch._cslt_compress(positive_zeros(w)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_negative_zeros_are_packed_as_cslt_compress_packs_them(dtype):
-    """``weight * mask`` leaves ``-0.0`` where a negative weight was pruned."""
+def test_negative_zeros_pack_and_multiply_as_cslt_compress_packs_them(dtype):
+    """``weight * mask`` leaves ``-0.0`` where a negative weight was pruned: our bytes are
+    cuSPARSELt's for the same weight with positive zeros, stored zeros compared by value, and
+    cuSPARSELt's matmul computes the same product from both."""
     w = torch.randn(256, 256, device="cuda").to(dtype)
     masked = w * (sparse_groups((256, 256), dtype) != 0)
     assert bits(masked).eq(-0x8000).any()
-    assert torch.equal(bits(compress(masked)), bits(torch._cslt_compress(masked)))
+    ours, theirs = compress(masked), torch._cslt_compress(positive_zeros(masked))
+    assert torch.equal(canonical_words(ours), canonical_words(theirs))
+    x = torch.randn(256, 64, device="cuda").to(dtype)
+    assert torch.equal(torch._cslt_sparse_mm(ours, x), torch._cslt_sparse_mm(theirs, x))
+
+
+def test_the_packer_comparison_passes_on_this_gpu():
+    """What the training path decides: our packer matches cuSPARSELt here (else every packing
+    runs ``torch._cslt_compress``, and the packing targets cannot hold)."""
+    for dtype in DTYPES:
+        assert _compare_packers(dtype, torch.device("cuda")), dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -66,7 +84,8 @@ def test_a_packing_on_the_gpu_writes_the_bytes_of_cslt_compress(dtype):
     )
     keep = sparse_groups((512, 256), dtype) != 0
     got = packing(keep).compress(weight)
-    assert torch.equal(bits(got), bits(torch._cslt_compress(weight * keep)))
+    expected = torch._cslt_compress(positive_zeros(weight * keep))
+    assert torch.equal(canonical_words(got), canonical_words(expected))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,7 +93,7 @@ def test_cslt_sparse_mm_with_our_bytes_computes_the_dense_product(dtype):
     w24 = greedy_2to4((1024, 512), dtype, seed=1)
     x = torch.randn(512, 256, device="cuda").to(dtype)
     ours = torch._cslt_sparse_mm(compress(w24), x)
-    theirs = torch._cslt_sparse_mm(torch._cslt_compress(w24), x)
+    theirs = torch._cslt_sparse_mm(torch._cslt_compress(positive_zeros(w24)), x)
     assert torch.equal(ours, theirs)
     torch.testing.assert_close(
         ours.float(), w24.float() @ x.float(), rtol=2e-2, atol=2e-2

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback, to_semi_structured
-from lightning_sparse.backends import kernel_check
+from lightning_sparse.backends import cusparselt, kernel_check, speed
 from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.kernel_check import (
     KernelCheckError,
@@ -48,7 +48,7 @@ def wrong(x, weight, bias, mask, packing=None):
 
 
 def raising(x, weight, bias, mask, packing=None):
-    raise RuntimeError("CUDA error: misaligned address")
+    raise RuntimeError("cuSPARSELt: CUSPARSE_STATUS_NOT_SUPPORTED")
 
 
 def wrong_at_128_inputs(x, weight, bias, mask, packing=None):
@@ -116,10 +116,100 @@ def test_verdicts_of_a_right_a_wrong_and_a_raising_kernel(inject):
     assert "gave wrong results in the kernel check (relative error" in bad.reason
     forget_verdicts()
     inject(raising)
-    with pytest.warns(RuntimeWarning, match="misaligned address"):
+    with pytest.warns(RuntimeWarning, match="CUSPARSE_STATUS_NOT_SUPPORTED"):
         broken = check_kernel("cusparselt", torch.bfloat16, cpu)
     assert not broken.passed and broken.error is None
-    assert "raised RuntimeError in the kernel check (CUDA error" in broken.reason
+    assert (
+        "raised RuntimeError in the kernel check (cuSPARSELt: CUSPARSE" in broken.reason
+    )
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_right_kernel_passes_the_check_first_reached_without_gradients(
+    inject, context
+):
+    """verify_speed and inference reach the check under no_grad or inference_mode."""
+    inject(right)
+    with context():
+        verdict = check_kernel("cusparselt", torch.bfloat16, torch.device("cpu"))
+    assert verdict.passed, verdict.reason
+
+
+def test_a_float16_check_inside_a_bfloat16_autocast_region_computes_in_float16(inject):
+    computed = []
+
+    def recording(x, weight, bias, mask, packing=None):
+        out = right(x, weight, bias, mask)
+        computed.append(out.dtype)
+        return out
+
+    inject(recording)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        verdict = check_kernel("cusparselt", torch.float16, torch.device("cpu"))
+    assert verdict.passed and computed == [torch.float16, torch.float16]
+
+
+def test_verify_speed_measures_under_a_callers_no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        measured = speed.measure_speedup(
+            (128, 256), torch.float32, "emulated", torch.device("cpu"), tokens=16
+        )
+    assert measured.ratio > 0 and measured.error < 1e-6
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"),
+        torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+    ],
+    ids=["out of memory", "CUDA error"],
+)
+def test_an_interrupted_check_is_raised_and_no_verdict_is_kept(inject, error):
+    def interrupted(*args, **kwargs):
+        raise error
+
+    inject(interrupted)
+    cpu = torch.device("cpu")
+    with pytest.raises(type(error)) as raised:
+        check_kernel("cusparselt", torch.bfloat16, cpu)
+    message = str(raised.value)
+    assert message.startswith(
+        f"{type(error).__name__} in the kernel check of cuSPARSELt"
+    )
+    assert str(error) in message and "no verdict is kept" in message
+    inject(right)  # the next use checks again
+    assert check_kernel("cusparselt", torch.bfloat16, cpu).passed
+
+
+def test_no_op_packs_or_searches_before_the_kernel_check_passed(inject, monkeypatch):
+    """Every cuSPARSELt op asks for the check first: a failed kernel never packs, compares
+    packers or searches (on a GPU: no cuSPARSELt work, and nothing in a capture)."""
+    inject(wrong)
+    work = []
+    for name in ("pack", "_pack_stored", "_sparse_mm"):
+        monkeypatch.setattr(
+            cusparselt, name, lambda *args, name=name: work.append(name)
+        )
+    torch.manual_seed(0)
+    x, grad = torch.randn(8, 256).bfloat16(), torch.randn(8, 128).bfloat16()
+    weight = torch.randn(128, 256).bfloat16()
+    mask = transposable_2to4_mask(weight)
+    w24 = weight * mask
+    packing = ss.stored_mask_packing("cusparselt", mask, mask)
+    stored = packing.op_arguments()
+    calls = [
+        lambda: cusparselt.linear_24(x, w24, None),
+        lambda: cusparselt.linear_24_input_grad(grad, w24),
+        lambda: cusparselt.linear_24_stored(x, weight, None, *stored),
+        lambda: cusparselt.linear_24_stored_input_grad(grad, weight, *stored),
+    ]
+    with pytest.warns(RuntimeWarning, match="wrong results"):
+        kernel_check.check_kernel("cusparselt", torch.bfloat16, torch.device("cpu"))
+    for call in calls:
+        with pytest.raises(KernelCheckError, match="wrong results"):
+            call()
+    assert work == []
 
 
 def test_the_check_runs_once_per_process_and_its_verdict_is_kept(inject):

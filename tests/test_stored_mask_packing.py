@@ -53,7 +53,7 @@ def test_the_stored_ops_pass_opcheck(monkeypatch):
     torch.manual_seed(0)
     mask = tile_mask(128, 256)
     p = cusparselt.mask_packing(mask, mask)
-    extra = (p.mask, p.rows.keys, p.rows.metadata, p.columns.keys, p.columns.metadata)
+    extra = p.op_arguments()
     x = torch.randn(12, 256, dtype=DTYPE, requires_grad=True)
     weight = torch.randn(128, 256, dtype=DTYPE, requires_grad=True)
     bias = torch.randn(128, dtype=DTYPE, requires_grad=True)

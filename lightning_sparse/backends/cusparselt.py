@@ -14,14 +14,17 @@
   at each mask update by :func:`mask_packing`), so that each step only gathers the values.
 
 Packing uses our packer (:mod:`~lightning_sparse.backends.cusparselt_packer`, at memory speed)
-where its bytes equal those of cuSPARSELt's own ``torch._cslt_compress`` on the running GPU
-(compared once per process, dtype and device, on weights with padded groups and negative
-zeros), and ``torch._cslt_compress`` everywhere else; a difference warns once.
+where its bytes equal those of cuSPARSELt's own ``torch._cslt_compress`` on the running GPU and
+``torch._cslt_sparse_mm`` computes the same product from both (compared once per process, dtype
+and device, on weights with padded groups and negative zeros), and ``torch._cslt_compress``
+everywhere else; a difference warns once. ``torch._cslt_compress`` is only ever given positive
+zeros: ``weight * mask`` leaves ``-0.0`` at pruned negative weights, which a compressor may
+count as kept values (CUTLASS's sm90 compressor did).
 
 Being custom ops with fake implementations, they are single nodes that ``torch.compile``
 traces (and CUDA graphs capture) without looking inside. Each run first asks
-:func:`~lightning_sparse.backends.kernel_check.require_kernel`, so they refuse to run where
-the kernel check failed.
+:func:`~lightning_sparse.backends.kernel_check.require_kernel`, before any cuSPARSELt work, so
+they refuse to run where the kernel check failed.
 
 Example (shapes only, on fake CUDA tensors):
     >>> import torch
@@ -42,12 +45,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
+from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS, sparse_mm
 from lightning_sparse.backends.cusparselt_packer import (
     DTYPES,
     Packing,
+    canonical_words,
     compress,
     packing,
+    positive_zeros,
     supports,
 )
 from lightning_sparse.backends.kernel_check import (
@@ -84,7 +89,7 @@ def pack(w24: Tensor) -> Tensor:
     """``w24`` (row-major, 2:4 along rows) in cuSPARSELt's compressed layout."""
     if supports(w24.shape, w24.dtype) and packer_matches(w24.dtype, w24.device):
         return compress(w24)
-    return torch._cslt_compress(w24)
+    return torch._cslt_compress(positive_zeros(w24))
 
 
 _PACKER_MATCHES: dict[tuple[torch.dtype, torch.device], bool] = {}
@@ -111,17 +116,28 @@ def packer_note(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def _compare_packers(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether our packer writes the bytes of ``torch._cslt_compress`` (given positive zeros;
+    stored zeros compared by value, :func:`canonical_words`) for weights holding ``-0.0`` where
+    pruned, and ``torch._cslt_sparse_mm`` computes the same product from both, for ``W`` and
+    ``W.T``."""
     weight = known_values(128, 256)
-    w24 = weight * transposable_2to4_mask(weight)
-    w24[:8, :8] = 0.0  # groups keeping 1 or none: padded
-    w24[8, 1] = -0.0  # a pruned negative weight, as weight * mask leaves it
-    both = [w24.to(device, dtype), w24.t().contiguous().to(device, dtype)]
-    ours = [compress(w) for w in both]
-    theirs = [torch._cslt_compress(w) for w in both]
-    same = all(
-        a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
-        for a, b in zip(ours, theirs)
-    )
+    w24 = weight * transposable_2to4_mask(
+        weight
+    )  # -0.0 at every pruned negative weight
+    w24[:8, :8] = -0.0  # groups keeping 1 or none: padded; a kept weight that is -0.0
+    same = True
+    for w in (w24, w24.t().contiguous()):
+        w = w.to(device, dtype)
+        ours, theirs = compress(w), torch._cslt_compress(positive_zeros(w))
+        x = torch.randn(w.shape[1], 64, generator=torch.Generator().manual_seed(0))
+        x = x.to(device, dtype)
+        same = same and (
+            ours.shape == theirs.shape
+            and torch.equal(canonical_words(ours), canonical_words(theirs))
+            and torch.equal(
+                torch._cslt_sparse_mm(ours, x), torch._cslt_sparse_mm(theirs, x)
+            )
+        )
     if not same:
         warnings.warn(
             f"lightning_sparse's cuSPARSELt packer does not write the bytes of "
@@ -133,11 +149,6 @@ def _compare_packers(dtype: torch.dtype, device: torch.device) -> bool:
     return same
 
 
-_MM_ARGUMENTS = {
-    arg.name for arg in torch.ops.aten._cslt_sparse_mm.default._schema.arguments
-}
-
-
 # cuSPARSELt's 16-bit dense operands: rows padded to a multiple of this, as torch pads them
 _TOKENS_MULTIPLE = 8
 
@@ -147,31 +158,20 @@ def _sparse_mm(
 ) -> Tensor:
     """``dense @ W24.T + bias`` for a row-major ``dense`` of shape ``(tokens, in)``, where
     ``packed`` is the ``(out_features, in)`` weight ``W24`` in cuSPARSELt's format."""
-    require_kernel(KERNEL, packed.dtype, packed.device)
     tokens = dense.shape[0]
     padding = -tokens % _TOKENS_MULTIPLE
     if padding:
         dense = F.pad(dense, (0, 0, 0, padding))
     dense_t = dense.t()
     algorithm = ALGORITHMS.choose(packed, dense_t, bias, out_features=out_features)
-    options = {
-        "alg_id": algorithm.alg_id,
-        "split_k": algorithm.split_k,
-        "split_k_mode": algorithm.split_k_mode,
-    }
-    out = torch._cslt_sparse_mm(
-        packed,
-        dense_t,
-        bias,
-        transpose_result=True,
-        **{name: value for name, value in options.items() if name in _MM_ARGUMENTS},
-    )
+    out = sparse_mm(packed, dense_t, bias, True, algorithm)
     return out[:tokens] if padding else out
 
 
 @torch.library.custom_op("lightning_sparse::linear_24", mutates_args=())
 def linear_24(x: Tensor, w24: Tensor, bias: Tensor | None) -> Tensor:
     """``x @ w24.T + bias`` on cuSPARSELt: ``x`` (tokens, in) row-major, ``w24`` (out, in)."""
+    require_kernel(KERNEL, w24.dtype, w24.device)
     return _sparse_mm(pack(w24), w24.shape[0], x, bias)
 
 
@@ -183,6 +183,7 @@ def _(x: Tensor, w24: Tensor, bias: Tensor | None) -> Tensor:
 @torch.library.custom_op("lightning_sparse::linear_24_input_grad", mutates_args=())
 def linear_24_input_grad(grad: Tensor, w24: Tensor) -> Tensor:
     """``grad @ w24`` on cuSPARSELt (``w24.T`` packed): the input gradient of ``linear_24``."""
+    require_kernel(KERNEL, w24.dtype, w24.device)
     return _sparse_mm(pack(w24.t().contiguous()), w24.shape[1], grad, None)
 
 
@@ -247,6 +248,11 @@ class MaskPacking:
     """The packing of ``W.T`` (the input gradient's weight)."""
     version: int
 
+    def op_arguments(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``(mask, keys, metadata, keys_t, metadata_t)``: what the stored-mask ops take."""
+        rows, columns = self.rows, self.columns
+        return self.mask, rows.keys, rows.metadata, columns.keys, columns.metadata
+
 
 def packs_stored_masks(shape: tuple[int, ...]) -> bool:
     """Whether :func:`mask_packing` packs a stored mask of this ``(out, in)`` shape (one our
@@ -294,7 +300,7 @@ def _pack_stored(
     packer where it matches ``torch._cslt_compress``, else by ``torch._cslt_compress``."""
     if packer_matches(weight.dtype, weight.device):
         return Packing(tuple(weight.shape), keys, metadata).compress(weight)
-    return torch._cslt_compress(weight * mask)
+    return torch._cslt_compress(positive_zeros(weight * mask))
 
 
 @torch.library.custom_op("lightning_sparse::linear_24_stored", mutates_args=())
@@ -310,6 +316,7 @@ def linear_24_stored(
 ) -> Tensor:
     """``x @ (weight * mask).T + bias`` on cuSPARSELt, the weight packed at the stored mask's
     positions (``keys``/``metadata``: its packing; ``keys_t``/``metadata_t``: its transpose's)."""
+    require_kernel(KERNEL, weight.dtype, weight.device)
     return _sparse_mm(
         _pack_stored(weight, mask, keys, metadata), weight.shape[0], x, bias
     )
@@ -333,6 +340,7 @@ def linear_24_stored_input_grad(
     metadata_t: Tensor,
 ) -> Tensor:
     """``grad @ (weight * mask)`` on cuSPARSELt: the input gradient of ``linear_24_stored``."""
+    require_kernel(KERNEL, weight.dtype, weight.device)
     packed = _pack_stored(
         weight.t().contiguous(), mask.t().contiguous(), keys_t, metadata_t
     )
@@ -398,16 +406,6 @@ def cusparselt_linear(
     ``packing``, packed at its stored positions), or the greedy 2:4 projection of ``weight``;
     gradients straight through to ``weight``."""
     if packing is not None:
-        rows, columns = packing.rows, packing.columns
-        return linear_24_stored(
-            x,
-            weight,
-            bias,
-            packing.mask,
-            rows.keys,
-            rows.metadata,
-            columns.keys,
-            columns.metadata,
-        )
+        return linear_24_stored(x, weight, bias, *packing.op_arguments())
     w24 = prune_24(weight) if mask is None else straight_through_mask(weight, mask)
     return linear_24(x, w24, bias)

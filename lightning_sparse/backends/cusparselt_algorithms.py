@@ -7,25 +7,39 @@ best one depends on the shape, the dtype and the GPU. So the first sparse matmul
 later matmul of that shape uses its choice. Token counts are bucketed to the next power of two,
 so that varying sequence lengths search a few times, not at every new length.
 
-Example (an injected search, on the CPU):
+The search may return a split-k configuration, which changes how the products are summed. So
+each searched configuration runs once against algorithm 0 on the same operands before it is
+kept; one that disagrees beyond the kernel check's tolerance is replaced by algorithm 0 for
+that shape, with one warning per process.
+
+Example (an injected search and matmul, on the CPU):
     >>> import torch
-    >>> cache = AlgorithmCache(search=lambda packed, dense, bias, transposed: Algorithm(17))
+    >>> def matmul(packed, dense, bias, transposed, algorithm):  # a stand-in for cuSPARSELt's
+    ...     return torch.ones(2, 2)
+    >>> cache = AlgorithmCache(
+    ...     search=lambda packed, dense, bias, transposed: Algorithm(17), run=matmul
+    ... )
     >>> packed, dense = torch.empty(128, 144, dtype=torch.bfloat16), torch.empty(256, 300)
     >>> cache.choose(packed, dense, None, out_features=128)
     Algorithm(alg_id=17, split_k=1, split_k_mode=-1)
-    >>> list(cache.chosen)
-    [(512, 128, 256, torch.bfloat16, True)]
+    >>> cache.describe(128, 256)
+    'alg 17'
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_sparse.backends.kernel_check import capturing
+from lightning_sparse.backends.kernel_check import (
+    TOLERANCE,
+    capturing,
+    relative_error,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,34 @@ class Algorithm:
 DEFAULT = Algorithm(0)
 Search = Callable[[Tensor, Tensor, "Tensor | None", bool], Algorithm]
 """``(packed, dense, bias, transpose_result) -> Algorithm``: cuSPARSELt's search."""
+Run = Callable[[Tensor, Tensor, "Tensor | None", bool, Algorithm], Tensor]
+"""``(packed, dense, bias, transpose_result, algorithm) -> product``: one sparse matmul."""
+
+_MM_ARGUMENTS = {
+    arg.name for arg in torch.ops.aten._cslt_sparse_mm.default._schema.arguments
+}
+
+
+def sparse_mm(
+    packed: Tensor,
+    dense: Tensor,
+    bias: Tensor | None,
+    transpose_result: bool,
+    algorithm: Algorithm,
+) -> Tensor:
+    """``torch._cslt_sparse_mm`` with ``algorithm`` (as far as this torch's op takes it)."""
+    options = {
+        "alg_id": algorithm.alg_id,
+        "split_k": algorithm.split_k,
+        "split_k_mode": algorithm.split_k_mode,
+    }
+    return torch._cslt_sparse_mm(
+        packed,
+        dense,
+        bias,
+        transpose_result=transpose_result,
+        **{name: value for name, value in options.items() if name in _MM_ARGUMENTS},
+    )
 
 
 def search_cusparselt(
@@ -72,9 +114,14 @@ def tokens_bucket(tokens: int) -> int:
 class AlgorithmCache:
     """The chosen algorithm per matmul shape (see the module docstring)."""
 
-    def __init__(self, search: Search = search_cusparselt) -> None:
+    def __init__(
+        self, search: Search = search_cusparselt, run: Run = sparse_mm
+    ) -> None:
         self.search = search
+        self.run = run
         self.chosen: dict[tuple, Algorithm] = {}
+        self.rejected: dict[tuple, tuple[Algorithm, float]] = {}
+        """The searched configurations that disagreed with algorithm 0, and by how much."""
 
     def choose(
         self,
@@ -85,8 +132,9 @@ class AlgorithmCache:
         transpose_result: bool = True,
     ) -> Algorithm:
         """The algorithm for ``packed @ dense`` (``dense`` is ``(in, tokens)``), searched on
-        these operands the first time its shape comes. While a CUDA graph is being captured
-        a search cannot run: an unsearched shape then uses the default algorithm."""
+        these operands the first time its shape comes, and checked against algorithm 0. While
+        a CUDA graph is being captured neither can run: an unsearched shape then uses the
+        default algorithm."""
         in_features, tokens = dense.shape
         key = (
             tokens_bucket(tokens),
@@ -94,23 +142,61 @@ class AlgorithmCache:
             in_features,
             packed.dtype,
             transpose_result,
+            bias is not None,
         )
         if key not in self.chosen:
             if capturing(packed.device):
                 return DEFAULT
-            self.chosen[key] = self.search(packed, dense, bias, transpose_result)
+            found = self.search(packed, dense, bias, transpose_result)
+            self.chosen[key] = self._checked(found, key, packed, dense, bias)
         return self.chosen[key]
 
-    def describe(self, out_features: int, in_features: int) -> str:
-        """The algorithms chosen so far for a layer shape, e.g. ``"alg 17"``."""
-        found = sorted(
-            {
-                str(a)
-                for key, a in self.chosen.items()
-                if key[1:3] == (out_features, in_features)
-            }
+    def _checked(
+        self,
+        found: Algorithm,
+        key: tuple,
+        packed: Tensor,
+        dense: Tensor,
+        bias: Tensor | None,
+    ) -> Algorithm:
+        """``found``, or algorithm 0 where ``found`` computes another product."""
+        if found == DEFAULT:
+            return found
+        transposed = key[4]
+        error = relative_error(
+            self.run(packed, dense, bias, transposed, found),
+            self.run(packed, dense, bias, transposed, DEFAULT),
         )
-        return ", ".join(found)
+        if error <= TOLERANCE:
+            return found
+        if not self.rejected:
+            tokens, out_features, in_features, dtype = key[:4]
+            warnings.warn(
+                f"cuSPARSELt's search chose {found} (split-k mode {found.split_k_mode}) for "
+                f"a {out_features}x{in_features} {str(dtype).removeprefix('torch.')} weight "
+                f"at up to {tokens} tokens, which disagrees with algorithm 0 on the same "
+                f"operands (relative error {error:.2g}); such shapes run algorithm 0 "
+                f"(correct, maybe slower), and the fit-start table names them",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self.rejected[key] = (found, error)
+        return DEFAULT
+
+    def describe(self, out_features: int, in_features: int) -> str:
+        """The algorithms chosen so far for a layer shape, e.g. ``"alg 17"``, or
+        ``"alg 0 (the searched alg 5, split-k 2 disagreed)"``."""
+        found = set()
+        for key, algorithm in self.chosen.items():
+            if key[1:3] != (out_features, in_features):
+                continue
+            rejected = self.rejected.get(key)
+            found.add(
+                f"{algorithm} (the searched {rejected[0]} disagreed)"
+                if rejected
+                else str(algorithm)
+            )
+        return ", ".join(sorted(found))
 
 
 ALGORITHMS = AlgorithmCache()

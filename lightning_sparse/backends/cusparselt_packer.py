@@ -100,6 +100,37 @@ class Packing:
         return out
 
 
+def positive_zeros(weight: Tensor) -> Tensor:
+    """``weight`` with every ``-0.0`` made ``+0.0`` (``-0.0 + 0.0`` is ``+0.0``), other values
+    unchanged: what ``torch._cslt_compress`` is given, as a compressor may count a negative
+    zero as a kept value.
+
+    Example:
+        >>> positive_zeros(torch.tensor([-0.0, 1.5, -2.0])).tolist()
+        [0.0, 1.5, -2.0]
+    """
+    return weight + 0.0
+
+
+def canonical_words(compressed: Tensor) -> Tensor:
+    """The 16-bit words of a compressed weight, flat, with ``-0.0`` stored values read as
+    ``+0.0`` (the metadata words as they are): what two packings must share to hold the same
+    weight, whichever zero a compressor writes into padding.
+
+    Example:
+        >>> w24 = torch.zeros(128, 128, dtype=torch.bfloat16)
+        >>> w24[:, 0::4] = 1.0
+        >>> signed = compress(w24)
+        >>> signed.view(-1)[1] = -0.0  # a group's padding, written as -0.0
+        >>> torch.equal(canonical_words(signed), canonical_words(compress(w24)))
+        True
+    """
+    words = compressed.contiguous().view(-1).view(torch.int16).clone()
+    values, _ = _regions(words.view(compressed.dtype))
+    values.masked_fill_(values == -0x8000, 0)
+    return words
+
+
 def packing(keep: Tensor) -> Packing:
     """The :class:`Packing` of a bool keep-mask with at most 2 True in each group of 4 of a row
     (not checked: the check would synchronize the GPU).

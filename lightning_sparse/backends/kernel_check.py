@@ -6,7 +6,10 @@ kernel's first matmul in a process, :func:`check_kernel` runs a small 2:4 weight
 values through exactly the code that training (or inference) uses, forward and input
 gradient, and compares it with dense math on the same 2:4 weight. A kernel that fails is not
 used: its layers run masked math, the fit-start table says why, and one warning names the
-versions. Verdicts are cached per process and device.
+versions. Verdicts are cached per process, dtype and device. The check computes the same
+whatever its caller's context (:func:`plain_autograd`: gradients on, no inference mode, no
+autocast), and an out-of-memory or CUDA error during it is raised, not kept as a verdict: it
+says nothing about the kernel.
 
 Kernels register themselves (:func:`register_kernel`); every function that runs one calls
 :func:`require_kernel` first, which runs the check once and raises :class:`KernelCheckError`
@@ -24,15 +27,18 @@ Example (a stand-in kernel, on the CPU):
     >>> check_kernel("doc-right", torch.float32, torch.device("cpu")).passed
     True
     >>> register_kernel("doc-wrong", lambda x, w, b: -dense_24(x, w, b), label="a wrong one")
-    >>> verdict = check_kernel("doc-wrong", torch.float32, torch.device("cpu"))
-    >>> verdict.passed, verdict.error
-    (False, 2.0)
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as warned:  # a failed check warns once
+    ...     verdict = check_kernel("doc-wrong", torch.float32, torch.device("cpu"))
+    >>> verdict.passed, verdict.error, len(warned)
+    (False, 2.0, 1)
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +157,28 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+@contextlib.contextmanager
+def plain_autograd(device: torch.device) -> Iterator[None]:
+    """Gradients on, inference mode and autocast off, on ``device`` and the CPU: what the
+    kernel check and ``verify_speed`` run under, so that a caller's ``torch.no_grad()``,
+    ``torch.inference_mode()`` or autocast region changes neither their verdict nor their
+    dtype.
+
+    Example:
+        >>> with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     with plain_autograd(torch.device("cpu")):
+        ...         x = torch.ones(2, 2, requires_grad=True)
+        ...         (x @ x).dtype, (x @ x).requires_grad
+        (torch.float32, True)
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        for device_type in {"cpu", device.type}:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
 def _normalized(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -199,36 +227,19 @@ def versions(device: torch.device) -> str:
 def _run_check(
     name: str, kernel: _Kernel, dtype: torch.dtype, device: torch.device
 ) -> KernelVerdict:
-    gen = torch.Generator().manual_seed(1)
-    weight = known_values(_ROWS, _COLS)
-    w24 = weight * transposable_2to4_mask(weight)  # the CPU reference
-    x = torch.randn(_TOKENS, _COLS, generator=gen, device="cpu")
-    grad = torch.randn(_TOKENS, _ROWS, generator=gen, device="cpu")
-    reference = [x @ w24.T]
-    if kernel.trains:
-        reference += [grad @ w24, grad.T @ x]
     where = f"{kernel.label} on {versions(device)}, {str(dtype).removeprefix('torch.')}"
-    try:
-        got = [
-            _run(
-                linear,
-                x,
-                weight if kernel.prunes else w24,
-                grad,
-                kernel.trains,
-                dtype,
-                device,
+    with plain_autograd(device):
+        try:
+            got, reference = _outputs(kernel, dtype, device)
+        except _INTERRUPTIONS as err:  # the GPU's state, not the kernel: no verdict
+            raise _interrupted(err, where) from err
+        except Exception as err:  # noqa: BLE001 (any failure of a kernel means: do not use it)
+            return KernelVerdict(
+                name,
+                False,
+                None,
+                f"{where} raised {type(err).__name__} in the kernel check ({_first_line(err)})",
             )
-            for linear in kernel.linears
-        ]
-    except Exception as err:  # noqa: BLE001 (any failure of a kernel means: do not use it)
-        first_line = (str(err).strip().splitlines() or [""])[0][:200]
-        return KernelVerdict(
-            name,
-            False,
-            None,
-            f"{where} raised {type(err).__name__} in the kernel check ({first_line})",
-        )
     error = max(
         relative_error(g.detach().cpu(), r)
         for outputs in got
@@ -245,6 +256,48 @@ def _run_check(
         error,
         f"{where} gave wrong results in the kernel check (relative error {error:.2g})",
     )
+
+
+_INTERRUPTIONS = (torch.OutOfMemoryError, torch.AcceleratorError)
+"""Errors of the GPU's state (memory, a CUDA error that poisons the context), not of a kernel."""
+
+
+def _interrupted(err: Exception, where: str) -> Exception:
+    """``err`` again, its message saying that it interrupted the kernel check of ``where``."""
+    fix = (
+        "free GPU memory (a smaller batch, fewer processes on this GPU) and run again"
+        if isinstance(err, torch.OutOfMemoryError)
+        else "a CUDA error leaves the process unusable: restart it"
+    )
+    return type(err)(
+        f"{type(err).__name__} in the kernel check of {where} ({_first_line(err)}): this "
+        f"says nothing about the kernel, so no verdict is kept; {fix}"
+    )
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:200]
+
+
+def _outputs(
+    kernel: _Kernel, dtype: torch.dtype, device: torch.device
+) -> tuple[list[list[Tensor]], list[Tensor]]:
+    """Each of ``kernel``'s code paths' outputs (and gradients, when it trains) on the
+    check's weight, and the dense CPU reference for them."""
+    gen = torch.Generator().manual_seed(1)
+    weight = known_values(_ROWS, _COLS)
+    w24 = weight * transposable_2to4_mask(weight)  # the CPU reference
+    x = torch.randn(_TOKENS, _COLS, generator=gen, device="cpu")
+    grad = torch.randn(_TOKENS, _ROWS, generator=gen, device="cpu")
+    reference = [x @ w24.T]
+    if kernel.trains:
+        reference += [grad @ w24, grad.T @ x]
+    given = weight if kernel.prunes else w24
+    got = [
+        _run(linear, x, given, grad, kernel.trains, dtype, device)
+        for linear in kernel.linears
+    ]
+    return got, reference
 
 
 def _run(
@@ -273,8 +326,10 @@ def verdicts() -> list[KernelVerdict]:
 
     Example:
         >>> import torch
+        >>> import warnings
         >>> register_kernel("doc-unpruned", lambda x, w, b: x @ w.T, label="no pruning")
-        >>> verdict = check_kernel("doc-unpruned", torch.float32, torch.device("cpu"))
+        >>> with warnings.catch_warnings(record=True):  # it fails the check: a warning
+        ...     verdict = check_kernel("doc-unpruned", torch.float32, torch.device("cpu"))
         >>> verdict in verdicts(), verdict.passed
         (True, False)
     """

@@ -35,7 +35,11 @@ from lightning_sparse.backends.cuda_graphs import (
     cuda_graphed,
 )
 from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
-from lightning_sparse.backends.kernel_check import known_values, relative_error
+from lightning_sparse.backends.kernel_check import (
+    known_values,
+    plain_autograd,
+    relative_error,
+)
 from lightning_sparse.backends.semi_structured import (
     semi_structured_linear,
     stored_mask_packing,
@@ -103,6 +107,19 @@ def measure_speedup(
     or with ``timing="cuda_graphs"`` on a GPU, each replayed as a CUDA graph), and compare
     the sparse output with dense math. ``stored``: with a stored mask, as ``static`` and
     ``magnitude`` phases run (packed ahead of the steps), else projected at every forward."""
+    with plain_autograd(device):  # a caller's no_grad or autocast changes nothing here
+        return _measure(shape, dtype, kernel, device, tokens, timing, stored)
+
+
+def _measure(
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    kernel: str,
+    device: torch.device,
+    tokens: int,
+    timing: str,
+    stored: bool,
+) -> SpeedMeasurement:
     out_features, in_features = shape
     gen = {"device": device, "dtype": dtype}
     x = torch.randn(tokens, in_features, **gen, requires_grad=True)
