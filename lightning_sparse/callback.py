@@ -65,10 +65,18 @@ class SparsityCallback(Callback):
             trainer's ``log_every_n_steps``).
         verbose: print the plan table at fit start and a summary at the end.
         verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
-            layer shape at fit start, and keep dense math where the sparse kernel is slower.
-            ``True`` times each layer as the model runs: replayed as a CUDA graph where the
-            model is compiled with CUDA graphs (``mode="reduce-overhead"`` or
-            ``"max-autotune"``), else eagerly; ``"eager"`` or ``"cuda_graphs"`` says which.
+            layer shape on a 2:4 kernel at fit start (seconds), and keep dense math where the
+            sparse kernel is slower. ``None`` (the default): on with ``backend="auto"``, for
+            weights on a CUDA GPU (elsewhere no layer runs a kernel, and nothing is timed),
+            each layer timed as the model runs: replayed as a CUDA graph where the model is
+            compiled with CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``),
+            else eagerly. ``True``: the same, and it also times the emulation of a kernel
+            chosen off a GPU; ``"eager"`` or ``"cuda_graphs"``: timed that way; ``False``:
+            every layer the kernel takes runs it, untimed.
+        verify_speed_tokens: the rows of one layer's matmul in a training step that
+            ``verify_speed`` times (batch x sequence length, e.g. 12 x 1024 = 12288 for a
+            GPT-2 at batch 12): the ratio depends on it. Default: 8192, which the fit-start
+            table then names.
         on_schedule_change: what ``fit(ckpt_path=...)`` does when the checkpoint was trained
             with other phases or parameters than this callback's: ``"error"`` (stop, naming
             each difference) or ``"reselect"`` (apply this schedule from the resume step,
@@ -109,7 +117,8 @@ class SparsityCallback(Callback):
         name: str = "sparsity",
         log_every_n_steps: int | None = None,
         verbose: bool = True,
-        verify_speed: bool | str = False,
+        verify_speed: bool | str | None = None,
+        verify_speed_tokens: int | None = None,
         on_schedule_change: str = "error",
         allow_skipped_layers: bool = False,
     ) -> None:
@@ -132,8 +141,9 @@ class SparsityCallback(Callback):
         compile_patterns(exclude, "exclude")
         self.params = params
         self.exclude = exclude
-        self.backend = validate_backend(backend, verify_speed)
+        self.backend = validate_backend(backend, verify_speed, verify_speed_tokens)
         self.verify_speed = verify_speed
+        self.verify_speed_tokens = verify_speed_tokens
         if not isinstance(name, str) or not name:
             raise ValueError(f"name={name!r}: give the group a non-empty string name")
         self.name = name
@@ -290,7 +300,9 @@ class SparsityCallback(Callback):
             raise ValueError(
                 empty_selection_message(selection, self.name, type(pl_module).__name__)
             )
-        timing = timing_for(self.verify_speed, pl_module)
+        timing = (
+            timing_for(self.verify_speed, pl_module) if self.backend == "auto" else None
+        )
         sparsifier = Sparsifier(
             self.name,
             selection.targets,
@@ -303,6 +315,8 @@ class SparsityCallback(Callback):
             gpu=gpu,
             calibration_forwards=calibration_forwards,
             allow_skipped_layers=self.allow_skipped_layers,
+            verify_speed_tokens=self.verify_speed_tokens,
+            verify_on_gpus_only=self.verify_speed is None,
         )
         return sparsifier, selection
 

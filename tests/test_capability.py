@@ -152,13 +152,13 @@ def test_verify_speed_keeps_slower_layers_dense(gpu):
         "auto", NM(2, 4), layer.weight, owners, torch.bfloat16, speedup(0.9)
     )
     assert slow.name == "masked"
-    assert "sparse 0.90x dense (eager), so kept dense" in slow.reason
+    assert "sparse 0.90x dense (eager, 8192 tokens), so kept dense" in slow.reason
     fast = choose_backend(
         "auto", NM(2, 4), layer.weight, owners, torch.bfloat16, speedup(1.3)
     )
     assert fast == BackendChoice(
         "semi_structured",
-        "cuSPARSELt, sm80, bfloat16, 1.30x dense (eager)",
+        "cuSPARSELt, sm80, bfloat16, 1.30x dense (eager, 8192 tokens)",
         "cusparselt",
     )
     assert calls == [((4096, 1024), "cusparselt", torch.bfloat16)] * 2
@@ -167,12 +167,12 @@ def test_verify_speed_keeps_slower_layers_dense(gpu):
 @pytest.mark.parametrize(
     ("dense_s", "sparse_s", "choice", "reason"),
     [
-        (1.0, 2.0, "masked", "sparse 0.50x dense (eager), so kept dense"),
+        (1.0, 2.0, "masked", "sparse 0.50x dense (eager, 8 tokens), so kept dense"),
         (
             2.0,
             1.0,
             "semi_structured",
-            "cuSPARSELt, sm80, bfloat16, 2.00x dense (eager)",
+            "cuSPARSELt, sm80, bfloat16, 2.00x dense (eager, 8 tokens)",
         ),
     ],
     ids=["sparse slower", "sparse faster"],

@@ -239,6 +239,6 @@ def test_verify_speed_names_the_searched_algorithm(monkeypatch):
     )
     assert choice == BackendChoice(
         "semi_structured",
-        "cuSPARSELt, sm90, bfloat16, 1.30x dense (alg 17, as CUDA graphs)",
+        "cuSPARSELt, sm90, bfloat16, 1.30x dense (alg 17, as CUDA graphs, 8192 tokens)",
         "cusparselt",
     )

@@ -243,9 +243,10 @@ def test_ranks_agree_on_one_backend_per_layer_under_verify_speed(job):
     faster, slower = (report["agreed_backends"] for report in job)
     assert faster["name"] == slower["name"] == "masked"
     assert faster["reason"].startswith("kept dense: on another rank verify_speed found")
-    assert faster["reason"].endswith("1.05x dense (eager))")
+    assert faster["reason"].endswith("1.05x dense (eager, 8192 tokens))")
     assert (
-        "sparse 0.95x dense (eager), so kept dense (verify_speed)" in slower["reason"]
+        "sparse 0.95x dense (eager, 8192 tokens), so kept dense (verify_speed)"
+        in slower["reason"]
     )
 
 

@@ -20,8 +20,8 @@ import yaml
 from helpers import pretend_gpu, speed_rows
 
 from lightning_sparse import SparsityCallback
+from lightning_sparse.backends import speed
 from lightning_sparse.cli.main import SparseCLI
-from lightning_sparse.engine import forwards
 from lightning_sparse.masks import NM
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -96,11 +96,7 @@ def test_gpt2_24_recipe_would_run_its_mlps_on_2to4_kernels_on_an_sm80_gpu(
 ):
     pretend_gpu(monkeypatch)
     timed = []  # verify_speed: true in the recipe, but a plan times nothing
-    monkeypatch.setattr(
-        forwards,
-        "SpeedCheck",
-        lambda **options: lambda *args, **kwargs: timed.append(args),
-    )
+    monkeypatch.setattr(speed, "measure_speedup", lambda *args: timed.append(args))
     plan(RECIPES / "gpt" / "gpt2_24_70pct.yaml", tmp_path, "--plot=false")
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if ".mlp.c_fc.weight " in line]
@@ -148,6 +144,10 @@ def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):
         "semi_structured" in r and "cuSPARSELt, sm90" in r for r in rows[:24]
     )
     assert "at peak rates" in out
+    assert (
+        "verify_speed: on: each layer shape on a 2:4 kernel timed at fit start, eagerly, at "
+        "32896 tokens; slower ones keep dense math" in " ".join(out.split())
+    )
     # what decides on the GPU, and what 2:4 kernels did on an H100, not a range from elsewhere
     assert (
         "Fit start decides on the GPU itself: a kernel check runs a small 2:4 matmul"

@@ -313,6 +313,7 @@ def test_verify_speed_measures_each_shape_once_and_keeps_slow_layers_dense(
     assert measured == [((WIDTH, WIDTH), torch.bfloat16, "cusparselt", "eager", stored)]
     choice = cb.sparsifier.backends[0, "net.fc2.weight"]
     details = "stored mask, eager" if stored else "eager"
+    details += ", 8192 tokens"
     assert choice.name == "masked"
     assert f"sparse 0.80x dense ({details}), so kept dense" in choice.reason
     # masked math: a projecting forward, or the stored zeros of a hard mask in a plain layer
@@ -342,7 +343,7 @@ def test_verify_speed_times_a_model_compiled_with_cuda_graphs_as_cuda_graphs(
     sparsifier, _ = cb.build(compiled, run, torch.bfloat16)
     assert timings == ["cuda_graphs"]
     assert sparsifier.backends[0, "net.fc1.weight"].reason.endswith(
-        "1.30x dense (as CUDA graphs)"
+        "1.30x dense (as CUDA graphs, 8192 tokens)"
     )
     with pytest.warns(UserWarning, match="not compiled with CUDA graphs"):
         fit("auto", verify_speed="cuda_graphs")  # fit start says so (a plan does not)

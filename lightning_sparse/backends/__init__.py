@@ -32,9 +32,9 @@ from lightning_sparse.masks import NM, Sparsity, describe
 
 BACKEND_NAMES = ("auto", "masked", "semi_structured")
 
-Speedup = Callable[[Tensor, str, torch.dtype], "SpeedMeasurement"]
-"""``(weight, kernel, dtype) -> (dense time / sparse time, relative error)`` (see
-``speed.SpeedCheck``)."""
+Speedup = Callable[[Tensor, str, torch.dtype], "SpeedMeasurement | None"]
+"""``(weight, kernel, dtype) -> (dense time / sparse time, relative error)``, or ``None``
+where it does not time that weight (see ``speed.SpeedCheck``)."""
 
 
 @dataclass(frozen=True)
@@ -46,19 +46,47 @@ class BackendChoice:
     kernel: str | None = None
 
 
-def validate_backend(name: object, verify_speed: bool | str = False) -> str:
+def validate_backend(
+    name: object,
+    verify_speed: bool | str | None = None,
+    verify_speed_tokens: int | None = None,
+) -> str:
+    """``name`` if it is a backend and ``verify_speed`` (``None``: on where ``name`` is
+    ``"auto"``) and ``verify_speed_tokens`` go with it; else an error that says the fix."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend={name!r}; use one of {list(BACKEND_NAMES)}")
-    if not (isinstance(verify_speed, bool) or verify_speed in TIMINGS):
+    if not (
+        verify_speed is None
+        or isinstance(verify_speed, bool)
+        or verify_speed in TIMINGS
+    ):
         raise TypeError(
             f"verify_speed={verify_speed!r}; use True (time each layer as the model runs: "
-            f"as CUDA graphs where it is compiled with them, else eagerly), "
-            f"{' or '.join(map(repr, TIMINGS))} (time it that way), or False"
+            f"as CUDA graphs where it is compiled with them, else eagerly; the default with "
+            f"backend='auto'), {' or '.join(map(repr, TIMINGS))} (time it that way), or False"
         )
     if verify_speed and name != "auto":
         raise ValueError(
             f"verify_speed={verify_speed!r} picks, per layer, between the sparse kernel and "
             f"dense math, which backend={name!r} does not do; use backend='auto'"
+        )
+    if verify_speed_tokens is None:
+        return name  # type: ignore[return-value]
+    if (
+        isinstance(verify_speed_tokens, bool)
+        or not isinstance(verify_speed_tokens, int)
+        or verify_speed_tokens < 1
+    ):
+        raise ValueError(
+            f"verify_speed_tokens={verify_speed_tokens!r}: give the rows of one layer's "
+            f"matmul in a training step as a positive integer (batch x sequence length, e.g. "
+            f"12 x 1024 = 12288 for GPT-2 at batch 12)"
+        )
+    if verify_speed is False or name != "auto":
+        raise ValueError(
+            f"verify_speed_tokens={verify_speed_tokens} sets how verify_speed times layers, "
+            f"which is off here (backend={name!r}, verify_speed={verify_speed!r}); use "
+            f"backend='auto' with verify_speed left on, or drop verify_speed_tokens"
         )
     return name  # type: ignore[return-value]
 
@@ -92,8 +120,12 @@ def choose_backend(
         return BackendChoice("masked", f"{verdict.reason}: running masked math")
     if verdict.note:
         why = f"{why}, {verdict.note}"
-    if speedup is not None:
-        measured = speedup(weight, kernel, compute_dtype or weight.dtype)
+    measured = (
+        None
+        if speedup is None
+        else speedup(weight, kernel, compute_dtype or weight.dtype)
+    )
+    if measured is not None:
         if measured.error > TOLERANCE:
             rows, cols = weight.shape
             return BackendChoice(

@@ -5,8 +5,10 @@ Real 2:4 GEMM gains range from below 1x to about 1.4x depending on the shape, so
 than its dense matmul keeps running dense math (masked, the same function).
 
 The measurement is a training step's worth of one layer: ``tokens`` rows of random input in the
-matmul dtype, forward then backward (input and weight gradients), the runtime 2:4 projection
-included, the best of a few rounds after a warm-up. It is timed the way the model runs
+matmul dtype (``verify_speed_tokens``: the rows of one matmul in a training step, e.g. batch x
+sequence length; :data:`VERIFY_TOKENS` where not given), forward then backward (input and
+weight gradients), the runtime 2:4 projection included, the best of a few rounds after a
+warm-up. The ratio depends on the token count, most where 2:4 gains or loses least. It is timed the way the model runs
 (:func:`timing_for`): eagerly, or captured and replayed as a CUDA graph for a model compiled
 with CUDA graphs (``torch.compile(mode="reduce-overhead")``), where the cuSPARSELt calls'
 CPU cost, larger than the matmul at ViT and GPT-2 sizes, is not paid. The weight has known values (distinct
@@ -47,17 +49,19 @@ from lightning_sparse.backends.semi_structured import (
 from lightning_sparse.masks.tiles import transposable_2to4_mask
 
 VERIFY_TOKENS = 8192
+"""The token count ``verify_speed`` times where ``verify_speed_tokens`` is not given."""
 _ROUNDS, _CALLS, _WARMUP = 3, 5, 3
 EAGER, CUDA_GRAPHS = "eager", "cuda_graphs"
 TIMINGS = (EAGER, CUDA_GRAPHS)
 """How ``verify_speed`` times a layer; ``verify_speed=True`` picks one by :func:`timing_for`."""
 
 
-def timing_for(verify_speed: bool | str, model: nn.Module) -> str | None:
+def timing_for(verify_speed: bool | str | None, model: nn.Module) -> str | None:
     """How ``verify_speed`` times ``model``'s layers: ``None`` (not at all), ``"eager"``, or
-    ``"cuda_graphs"``; ``True`` means as the model runs: ``"cuda_graphs"`` where it is
-    compiled with CUDA graphs (:func:`~lightning_sparse.backends.cuda_graphs.compiled_with_cuda_graphs`),
-    else ``"eager"``.
+    ``"cuda_graphs"``; ``True`` (and ``None``, the default) means as the model runs:
+    ``"cuda_graphs"`` where it is compiled with CUDA graphs
+    (:func:`~lightning_sparse.backends.cuda_graphs.compiled_with_cuda_graphs`), else
+    ``"eager"``.
 
     Example:
         >>> net = nn.Linear(8, 8)
@@ -66,7 +70,7 @@ def timing_for(verify_speed: bool | str, model: nn.Module) -> str | None:
     """
     if verify_speed is False:
         return None
-    if verify_speed is True:
+    if verify_speed is True or verify_speed is None:
         return CUDA_GRAPHS if compiled_with_cuda_graphs(model) else EAGER
     if verify_speed not in TIMINGS:
         raise ValueError(
@@ -87,10 +91,17 @@ class SpeedMeasurement:
     timing: str = EAGER
     stored: bool = False
     """Timed with a stored mask (packed ahead of the steps), not one projected per forward."""
+    tokens: int = VERIFY_TOKENS
 
     def details(self) -> str:
-        """The algorithm, a stored mask and the timing, for a reason in the fit-start table."""
-        parts = (self.algorithm, "stored mask" if self.stored else "", self.timing)
+        """The algorithm, a stored mask, the timing and the token count, for a reason in the
+        fit-start table."""
+        parts = (
+            self.algorithm,
+            "stored mask" if self.stored else "",
+            self.timing,
+            f"{self.tokens} tokens",
+        )
         return ", ".join(part for part in parts if part)
 
 
@@ -144,7 +155,7 @@ def _measure(
     algorithm = (
         ALGORITHMS.describe(out_features, in_features) if kernel == "cusparselt" else ""
     )
-    return SpeedMeasurement(ratio, error, algorithm, how, stored)
+    return SpeedMeasurement(ratio, error, algorithm, how, stored, tokens)
 
 
 def _as_timed(
@@ -185,29 +196,48 @@ def _synchronize(device: torch.device) -> None:
 
 class SpeedCheck:
     """Sparse-vs-dense measurements, once per (shape, dtype, kernel, device), timed by
-    ``timing`` (see :data:`TIMINGS`).
+    ``timing`` (see :data:`TIMINGS`) at ``tokens`` rows (``None``: :data:`VERIFY_TOKENS`);
+    ``gpu_only``: weights off a CUDA device are not timed (``None``: no measurement), as
+    ``verify_speed``'s default has it, since a kernel runs on a GPU only.
 
     Example:
         >>> check = SpeedCheck(tokens=32)
         >>> w = torch.zeros(64, 64)
         >>> check(w, "emulated", torch.float32) == check(w, "emulated", torch.float32)
         True
-        >>> len(check.results)
-        1
+        >>> len(check.results), check.describe()
+        (1, 'each layer shape on a 2:4 kernel timed at fit start, eagerly, at 32 tokens')
     """
 
-    def __init__(self, tokens: int = VERIFY_TOKENS, timing: str = EAGER) -> None:
-        self.tokens = tokens
+    def __init__(
+        self, tokens: int | None = None, timing: str = EAGER, gpu_only: bool = False
+    ) -> None:
+        self.tokens = VERIFY_TOKENS if tokens is None else tokens
+        self.tokens_given = tokens is not None
         self.timing = timing
+        self.gpu_only = gpu_only
         self.results: dict[tuple, SpeedMeasurement] = {}
 
     def __call__(
         self, weight: Tensor, kernel: str, dtype: torch.dtype, stored: bool = False
-    ) -> SpeedMeasurement:
+    ) -> SpeedMeasurement | None:
         """The measurement for ``weight``'s shape (``stored``: with a stored mask)."""
+        if self.gpu_only and weight.device.type != "cuda":
+            return None
         key = (tuple(weight.shape), dtype, kernel, weight.device, stored)
         if key not in self.results:
             self.results[key] = measure_speedup(
                 key[0], dtype, kernel, weight.device, self.tokens, self.timing, stored
             )
         return self.results[key]
+
+    def describe(self) -> str:
+        """How layers are timed, in a clause for the fit-start table and the plan."""
+        how = "as CUDA graphs" if self.timing == CUDA_GRAPHS else "eagerly"
+        count = f"at {self.tokens} tokens" + (
+            ""
+            if self.tokens_given
+            else " (the default: set verify_speed_tokens to the rows of one matmul in a "
+            "training step, batch x sequence length)"
+        )
+        return f"each layer shape on a 2:4 kernel timed at fit start, {how}, {count}"

@@ -310,6 +310,7 @@ def format_plan(plan: SchedulePlan) -> str:
     for group in plan.groups:
         sp = group.sparsifier
         lines.append(plan_table(sp, group.selection))
+        lines += _wrap(verify_speed_line(sp), 2)
         lines.append("")
         lines.append(
             "  per-layer sparsity at the end of each phase, and forward MFLOP per token:"
@@ -353,6 +354,20 @@ def format_plan(plan: SchedulePlan) -> str:
     return "\n".join(lines)
 
 
+def verify_speed_line(sparsifier: Sparsifier) -> str:
+    """What ``verify_speed`` will do at fit start for a group with layers on 2:4 kernels
+    (nothing for a group without)."""
+    if not any(c.name == "semi_structured" for c in sparsifier.backends.values()):
+        return ""
+    speed = sparsifier.forwards.speed_check
+    if speed is None:
+        return (
+            "verify_speed: off: every layer above on a 2:4 kernel runs it, even where it is "
+            "slower than dense (leave verify_speed unset or true to time them at fit start)"
+        )
+    return f"verify_speed: on: {speed.describe()}; slower ones keep dense math"
+
+
 def backends_line(plan: SchedulePlan) -> str:
     """Where the plan's backends come from: this machine, or a prediction for a GPU."""
     if plan.gpu is None:
@@ -373,8 +388,9 @@ def backends_line(plan: SchedulePlan) -> str:
         f"build of torch with cuSPARSELt assumed): which layers can run 2:4 kernels, not a "
         f"measured speed. Fit start decides on the GPU itself: a kernel check runs a small "
         f"2:4 matmul through the training code and compares it with dense math (a kernel "
-        f"that fails runs masked math), and with verify_speed=True each layer shape is timed "
-        f"as the model runs (as CUDA graphs if it is compiled with them) and keeps dense math "
+        f"that fails runs masked math), and where verify_speed is on (the default with "
+        f"backend auto; each group's verify_speed line says) each layer shape is timed as "
+        f"the model runs (as CUDA graphs if it is compiled with them) and keeps dense math "
         f"where 2:4 is slower ({MEASURED_2TO4})"
     )
 

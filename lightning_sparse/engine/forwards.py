@@ -73,6 +73,9 @@ class LayerForwards:
             ``"eager"``: eagerly; ``"cuda_graphs"``: replayed as CUDA graphs; in a distributed
             run on every rank, which then agree: :func:`agree_across_ranks`) and keep
             dense math where the sparse kernel is slower.
+        verify_speed_tokens: the token count it times (``None``: the default,
+            :data:`~lightning_sparse.backends.speed.VERIFY_TOKENS`).
+        verify_on_gpus_only: time weights on a CUDA device only (``verify_speed``'s default).
         gpu: choose for this GPU instead of the weights' device (predictions for a plan).
         log: called with a message when a layer falls back to masked math.
     """
@@ -88,12 +91,20 @@ class LayerForwards:
         verify_speed: bool | str = False,
         gpu: GpuTarget | None = None,
         log: Callable[[str], None] = lambda message: None,
+        verify_speed_tokens: int | None = None,
+        verify_on_gpus_only: bool = False,
     ) -> None:
         self.name = name
         self.log = log
-        self.backend = validate_backend(backend, verify_speed)
+        self.backend = validate_backend(backend, verify_speed, verify_speed_tokens)
         timing = verify_speed if isinstance(verify_speed, str) else EAGER
-        speedup = SpeedCheck(timing=timing) if verify_speed and gpu is None else None
+        self.speed_check = (
+            SpeedCheck(verify_speed_tokens, timing, verify_on_gpus_only)
+            if verify_speed
+            else None
+        )
+        """How layer shapes are timed (``None``: they are not); on a plan's GPU, nothing is."""
+        speedup = self.speed_check if gpu is None else None
         self.choices: dict[tuple[int, str], BackendChoice] = {}
         for phase in phases:
             if phase.index not in algorithms:

@@ -49,6 +49,9 @@ def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
         reasons = sorted({c.reason for c in choices}) or ["dense in every phase"]
         rows.append(cells + ["/".join(names), "; ".join(reasons)])
     lines += ["  " + line for line in text_table(rows)]
+    speed = sp.forwards.speed_check
+    if speed is not None and speed.results:
+        lines.append(f"  verify_speed: {speed.describe()}")
     if selection.excluded:
         by_reason: dict[str, list[str]] = {}
         for name, reason in selection.excluded.items():

@@ -91,6 +91,8 @@ class Sparsifier:
         verify_speed: with ``backend="auto"``, time each distinct layer shape once (``True``
             or ``"eager"``: eagerly; ``"cuda_graphs"``: replayed as CUDA graphs), sparse
             against dense, and keep dense math where the sparse kernel is slower.
+        verify_speed_tokens: the token count it times (``None``: the default).
+        verify_on_gpus_only: time weights on a CUDA device only (``verify_speed``'s default).
         gpu: choose backends for this GPU instead of the weights' device (a plan for another
             machine: the choices are predictions, and ``verify_speed`` measures nothing).
         calibration_forwards: for phases with ``init='wanda'``: called as ``(batches, seed)``
@@ -121,6 +123,8 @@ class Sparsifier:
         gpu: GpuTarget | None = None,
         calibration_forwards: Callable[[int, int], int] | None = None,
         allow_skipped_layers: bool = False,
+        verify_speed_tokens: int | None = None,
+        verify_on_gpus_only: bool = False,
     ) -> None:
         self.name = name
         self.allow_skipped_layers = allow_skipped_layers
@@ -141,6 +145,8 @@ class Sparsifier:
             verify_speed,
             gpu,
             log,
+            verify_speed_tokens,
+            verify_on_gpus_only,
         )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
