@@ -1,7 +1,8 @@
 """Benchmark: the 2:4 linear layer against dense on a GPU (bf16, CUDA sm80+), in three stages.
 
     PYTHONPATH=. python benchmarks/sparse_linear.py [--stages mask packing layers]
-        [--shapes ViT-L Llama] [--compiled all] [--repeats 10] [--json out.json]
+        [--shapes ViT-L Llama] [--variants dense searched] [--compiled all]
+        [--repeats 10] [--json out.json]
     PYTHONPATH=. python benchmarks/sparse_linear.py --cpu-smoke   # checks the script on the CPU
 
 - ``mask``: the mask step of the masked runtime 2:4 layer on a bf16 weight (4096x1024,
@@ -26,7 +27,9 @@
   with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) for the ``--compiled`` shapes
   (by default the two of the acceptance targets: each compiled variant costs a compilation).
 
-Ratios are against dense measured in the same run (same shape and mode). The kernel checks this
+``--variants`` keeps the layer variants whose name contains one of its words (dense is always
+timed: the ratios' baseline). Ratios are against dense measured in the same run (same shape and
+mode). The kernel checks this
 process ran are printed last. ``--json`` writes every measurement as a record (for
 ``gpu_acceptance.py``); ``--time-limit`` skips what would start after it and says so. Without a
 CUDA GPU of capability 8.0+ it says so and exits 0. ``--cpu-smoke`` runs tiny shapes through
@@ -117,7 +120,16 @@ class Variant:
     algorithms: AlgorithmCache | None = None
 
 
-def layer_variants(device: torch.device) -> list[Variant]:
+def layer_variants(device: torch.device, names: list[str]) -> list[Variant]:
+    """The variants whose name contains one of ``names`` (all without), dense first."""
+    return [
+        variant
+        for variant in all_variants(device)
+        if variant.name == "dense" or not names or any(n in variant.name for n in names)
+    ]
+
+
+def all_variants(device: torch.device) -> list[Variant]:
     variants = [Variant("dense")]
     for kernel in available_kernels(device):
         install = functools.partial(install_semi_structured_forward, kernel=kernel)
@@ -225,7 +237,7 @@ def layer_rows(
             or capability.semi_structured_kernel(layer.weight, owners, dtype)[0]
         )
         dense: dict[str, float] = {}
-        for variant in layer_variants(device):
+        for variant in layer_variants(device, args.variants):
             cells = []
             for mode in modes:
                 if variant.kernel not in ("", "masked") and not kernel_takes:
@@ -367,6 +379,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=[],
         help="layers whose label contains one of these",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        help="layer variants whose name contains one of these (dense always)",
     )
     parser.add_argument(
         "--compiled",

@@ -5,7 +5,6 @@ import pytest
 import torch
 from helpers import TinyModule, fast_trainer, random_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
-from safetensors.torch import save_file
 from torch import nn
 
 from lightning_sparse import (
@@ -42,6 +41,7 @@ def trained_checkpoint(tmp_path, phases):
 def test_compressed_file_round_trips_exactly_and_is_smaller(
     tmp_path, capsys, phase, pattern
 ):
+    save_file = pytest.importorskip("safetensors.torch").save_file
     ckpt = trained_checkpoint(tmp_path, [phase])
     expected = export_state_dict(ckpt)
     size = save_compressed(ckpt, tmp_path / "model.safetensors")
@@ -100,6 +100,7 @@ def test_bit_packing_is_little_endian_and_exact():
 
 
 def test_loading_another_file_names_the_format(tmp_path):
+    save_file = pytest.importorskip("safetensors.torch").save_file
     save_file({"w": torch.ones(2)}, tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match=r"is not a lightning_sparse compressed file"):
         load_compressed(tmp_path / "plain.safetensors")

@@ -1,5 +1,6 @@
-"""``benchmarks/gpu_acceptance.py --cpu-smoke``: every stage's plumbing runs on the CPU, as on a
-bare GPU machine (its subprocesses cannot import jsonargparse or hypothesis), into one report."""
+"""``benchmarks/gpu_acceptance.py --part correctness|speed --cpu-smoke``: every stage's plumbing
+runs on the CPU, as on a bare GPU machine (its subprocesses cannot import jsonargparse or
+hypothesis), into one report per part."""
 
 from __future__ import annotations
 
@@ -27,15 +28,22 @@ class Bare:
 
 sys.meta_path.insert(0, Bare())
 """
-STAGES = [
-    "environment",
-    "kernel check",
-    "gpu tests",
-    "sparse_linear",
-    "train_steps",
-    "verify_speed",
-    "training",
-]
+STAGES = {
+    "correctness": [
+        "environment",
+        "kernel check",
+        "gpu tests",
+        "verify_speed",
+        "training",
+    ],
+    "speed": [
+        "environment",
+        "target layers",
+        "target steps",
+        "more layers",
+        "more steps",
+    ],
+}
 
 
 @pytest.fixture
@@ -51,44 +59,72 @@ def acceptance(monkeypatch, tmp_path):
     return importlib.import_module("gpu_acceptance")
 
 
-def test_cpu_smoke_writes_a_report_of_every_stage(acceptance, tmp_path):
-    out = tmp_path / "report.md"
-    assert acceptance.main(["--cpu-smoke", "--out", str(out)]) == 0
+def smoke_report(acceptance, tmp_path, part: str) -> str:
+    out = tmp_path / f"{part}.md"
+    assert acceptance.main(["--part", part, "--cpu-smoke", "--out", str(out)]) == 0
     report = out.read_text()
+    assert report.startswith(f"# GPU acceptance, {part} part: a CPU smoke run")
     assert "**All stages passed.**" in report
-    for i, stage in enumerate(STAGES, 1):
+    for i, stage in enumerate(STAGES[part], 1):
         assert f"\n## {i}. {stage}: passed\n" in report, stage
         assert f"| {stage} | passed |" in report, stage
-    # the GPU tests were collected (not run) without hypothesis, and each stage's table came back
-    assert "test_semi_structured_gpu.py" in report
-    assert "| 256x128 | greedy_2to4_mask (the masked runtime step) |" in report
-    assert "| 256x128 | lightning_sparse compress | - |" in report
-    for variant in ("dense", "2:4 emulated, alg 0", "2:4 emulated, searched"):
-        assert f"| smoke: 64x128 -> 256 | {variant} |" in report  # eager and compiled
-    assert "| 2:4 masked runtime |" in report
-    assert "| compiled | 2:4 MLPs |" in report  # the LLM block stack
+    return report
+
+
+def test_the_correctness_part_checks_kernels_runs_gpu_tests_and_trains(
+    acceptance, tmp_path
+):
+    report = smoke_report(acceptance, tmp_path, "correctness")
+    # the GPU tests were collected (not run) without hypothesis
+    assert "test_semi_structured_gpu.py" in report and "test_export.py" in report
     assert "| cusparselt | passed |" in report  # the kernel check (emulated)
+    assert "| odd shape | 100x100 | 32 | eager |" in report  # verify_speed, with tokens
+    for run in ("dense", "2:4 masked (MLPs)", "2:4 kernels (MLPs)"):
+        assert f"| {run} | 4 |" in report
+    assert "the kernel run against the masked run: first step 0.00% apart" in report
+    assert "model.blocks.1.mlp.fc2.weight" in report
+    assert (
+        "| slowest layer verify_speed keeps on a 2:4 kernel | at least 1 x |" in report
+    )
+    assert "LLM block stack" not in report.split("## 1.")[0]  # the speed part's targets
+
+
+def test_the_speed_part_measures_the_targets_first_then_the_rest(acceptance, tmp_path):
+    report = smoke_report(acceptance, tmp_path, "speed")
+    targets, rest = report.split("## 3. target steps")[0], report.split("## 4.")[1]
+    assert "--variants 'emulated, searched' --compiled all" in targets
+    for variant in ("dense", "2:4 emulated, searched"):
+        assert f"| smoke: 64x128 -> 256 | {variant} |" in targets  # eager and compiled
+    assert "2:4 masked runtime" not in targets and "2:4 masked runtime" in rest
+    assert "| 256x128 | greedy_2to4_mask (the masked runtime step) |" in targets
+    assert "| 256x128 | lightning_sparse compress | - |" in targets
+    assert "| compiled | 2:4 MLPs |" in report  # the LLM block stack
+    assert "| tiny ViT-B, batch 2 | eager | 2:4 MLPs |" in rest
     assert (
         "| LLM block stack training step, compiled | at least 1.1 x | - | not run |"
         in report
     )
-    assert "| odd shape | 100x100 |" in report
-    assert "| 2:4 runtime (MLPs) | 4 |" in report
-    assert "model.blocks.1.mlp.fc2.weight" in report
+    assert "slowest layer verify_speed" not in report
 
 
 def test_without_a_gpu_it_says_so_and_exits_0(acceptance, tmp_path, monkeypatch):
     monkeypatch.setattr(acceptance.torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "report.md"
-    assert acceptance.main(["--out", str(out)]) == 0
-    report = out.read_text()
-    assert "**Nothing measured: no CUDA GPU found" in report
-    for stage in STAGES[1:]:
-        assert f"| {stage} | skipped |" in report, stage
+    for part, stages in STAGES.items():
+        out = tmp_path / f"{part}.md"
+        assert acceptance.main(["--part", part, "--out", str(out)]) == 0
+        report = out.read_text()
+        assert "**Nothing measured: no CUDA GPU found" in report
+        for stage in stages[1:]:
+            assert f"| {stage} | skipped |" in report, stage
+
+
+def test_a_part_refuses_the_other_parts_stages(acceptance):
+    with pytest.raises(SystemExit):
+        acceptance.parse(["--part", "speed", "--stages", "training"])
 
 
 def test_a_stage_runs_in_a_subprocess_of_the_script(acceptance):
-    args = acceptance.parse(["--cpu-smoke"])
+    args = acceptance.parse(["--part", "correctness", "--cpu-smoke"])
     stage = acceptance.child(args, 300, "verify_speed", isolate=True)
     assert stage.status == "passed", stage.body
     assert "| odd shape | 100x100 |" in stage.body
@@ -122,7 +158,11 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         {"table": "verify_speed", "kept_sparse": False, "ratio": 0.5},
     ]  # fmt: skip
     stages = [acceptance.Stage("s", records=records)]
-    verdicts = {row[0]: row[2:] for row in acceptance.target_rows(stages)}
+    verdicts = {
+        row[0]: row[2:]
+        for part in ("speed", "correctness")
+        for row in acceptance.target_rows(stages, part)
+    }
     assert verdicts["packing W and W.T, 4096x1024 (packer in use, CUDA graph)"] == [
         "0.05 ms",
         "PASS",
