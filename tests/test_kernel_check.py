@@ -47,6 +47,24 @@ def wrong(x, weight, bias, mask, packing=None):
     return right(x, weight.flip(1), bias, mask)
 
 
+def wrong_input_gradient(x, weight, bias, mask, packing=None):
+    """The right output and weight gradient, but the input gradient through a scrambled
+    ``W24.T``, as a stale or misread packing of the transposed weight gives."""
+    out = right(x.detach(), weight, bias, mask)
+    if mask is None:
+        mask = transposable_2to4_mask(weight.detach())
+    scrambled = x @ (weight * mask).detach().flip(1).T
+    # adds exact zeros to the output, and the scrambled map to the input gradient
+    return out + (scrambled - scrambled.detach())
+
+
+def wrong_weight_gradient(x, weight, bias, mask, packing=None):
+    """The right output and input gradient, but the weight gradient of a scrambled map."""
+    out = right(x, weight.detach(), bias, mask)
+    scrambled = right(x.detach(), weight.flip(1), None, mask)
+    return out + (scrambled - scrambled.detach())
+
+
 def raising(x, weight, bias, mask, packing=None):
     raise RuntimeError("CUDA error: misaligned address")
 
@@ -122,6 +140,23 @@ def test_verdicts_of_a_right_a_wrong_and_a_raising_kernel(inject):
     assert "raised RuntimeError in the kernel check (CUDA error" in broken.reason
 
 
+@pytest.mark.parametrize(
+    "kernel",
+    [wrong_input_gradient, wrong_weight_gradient],
+    ids=["input gradient", "weight gradient"],
+)
+def test_a_kernel_with_a_right_output_and_a_wrong_gradient_fails_the_check(
+    inject, kernel
+):
+    torch.manual_seed(0)
+    x, weight = torch.randn(4, 256, requires_grad=True), torch.randn(128, 256)
+    assert torch.equal(kernel(x, weight, None, None), right(x, weight, None, None))
+    inject(kernel)
+    with pytest.warns(RuntimeWarning, match="wrong results.*not used in this process"):
+        verdict = check_kernel("cusparselt", torch.bfloat16, torch.device("cpu"))
+    assert not verdict.passed and verdict.error > 0.5
+
+
 def test_the_check_runs_once_per_process_and_its_verdict_is_kept(inject):
     calls = inject(right)
     for _ in range(3):
@@ -141,7 +176,11 @@ def test_a_kernel_wrong_only_with_a_stored_mask_fails_the_check(inject):
     assert not verdict.passed and calls == ["check", "check"]
 
 
-@pytest.mark.parametrize("kernel", [wrong, raising], ids=["wrong", "raising"])
+@pytest.mark.parametrize(
+    "kernel",
+    [wrong, raising, wrong_input_gradient],
+    ids=["wrong", "raising", "wrong input gradient"],
+)
 def test_a_failing_kernel_runs_masked_from_fit_start_and_says_why(
     inject, lightning_log, kernel
 ):
