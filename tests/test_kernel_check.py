@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback, to_semi_structured
-from lightning_sparse.backends import kernel_check
+from lightning_sparse.backends import choose_backend, kernel_check
 from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.kernel_check import (
     KernelCheckError,
@@ -27,6 +27,7 @@ from lightning_sparse.backends.kernel_check import (
 )
 from lightning_sparse.backends.masked import project_eagerly, straight_through_mask
 from lightning_sparse.cli.main import SparseCLI
+from lightning_sparse.masks import NM
 from lightning_sparse.masks.tiles import (
     greedy_2to4_mask,
     tile_kernel_takes,
@@ -63,6 +64,10 @@ def wrong_weight_gradient(x, weight, bias, mask, packing=None):
     out = right(x, weight.detach(), bias, mask)
     scrambled = right(x.detach(), weight.flip(1), None, mask)
     return out + (scrambled - scrambled.detach())
+
+
+def right_in_bfloat16_only(x, weight, bias, mask, packing=None):
+    return (right if x.dtype == torch.bfloat16 else wrong)(x, weight, bias, mask)
 
 
 def raising(x, weight, bias, mask, packing=None):
@@ -155,6 +160,26 @@ def test_a_kernel_with_a_right_output_and_a_wrong_gradient_fails_the_check(
     with pytest.warns(RuntimeWarning, match="wrong results.*not used in this process"):
         verdict = check_kernel("cusparselt", torch.bfloat16, torch.device("cpu"))
     assert not verdict.passed and verdict.error > 0.5
+
+
+def test_each_dtype_is_checked_and_a_kernel_wrong_in_one_runs_only_in_the_other(
+    inject,
+):
+    calls = inject(right_in_bfloat16_only)
+    layer = nn.Linear(256, 128)
+    owners = [("fc", layer, "weight")]
+    bf16 = choose_backend("auto", NM(2, 4), layer.weight, owners, torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match=", float16 gave wrong results"):
+        fp16 = choose_backend("auto", NM(2, 4), layer.weight, owners, torch.float16)
+    assert bf16.name == "semi_structured" and bf16.kernel == "cusparselt"
+    assert fp16.name == "masked"
+    assert ", float16 gave wrong results in the kernel check" in fp16.reason
+    assert len(calls) == 4  # both code paths, once in each dtype
+    x, weight = torch.randn(4, 256), layer.weight.detach()
+    ss.semi_structured_linear(x.bfloat16(), weight.bfloat16(), None, "cusparselt")
+    with pytest.raises(KernelCheckError, match=", float16 gave wrong results"):
+        ss.semi_structured_linear(x.half(), weight.half(), None, "cusparselt")
+    assert len(calls) == 5  # the bfloat16 matmul ran, the float16 one did not
 
 
 def test_the_check_runs_once_per_process_and_its_verdict_is_kept(inject):
