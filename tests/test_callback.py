@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import TinyModule, fast_trainer, random_loader
 from lightning.pytorch.loggers import CSVLogger
+from probes import effective_rows
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_sparse import SparsityCallback
@@ -365,25 +366,41 @@ def test_impossible_nm_for_a_parameter_is_named():
         )
 
 
-@pytest.mark.parametrize("exclude", [None, ["net.fc2.bias"]])
+TWO_FOUR_FIRST = [{"sparsity": "2:4", "until": 2}, {"sparsity": 0.5}]
+
+
+@pytest.mark.parametrize(
+    ("phases", "exclude", "nm_phase"),
+    [
+        (TWO_FOUR_FIRST, None, 1),
+        (TWO_FOUR_FIRST, ["net.fc2.bias"], 1),
+        ([{"sparsity": 0.0, "until": 2}, {"sparsity": "2:4"}], None, 2),
+        ([{"sparsity": 0.5, "until": 2}, {"sparsity": "2:4"}], None, 2),
+    ],
+    ids=["2:4 first", "2:4 first, exclude", "dense first", "unstructured first"],
+)
 def test_default_selection_leaves_a_layer_that_cannot_hold_nm_dense_all_run(
-    lightning_log, exclude
+    lightning_log, phases, exclude, nm_phase
 ):
-    # 2:4 then 50% unstructured: fc1 (6 inputs) could take the second phase, but a group keeps
-    # one set of parameters for the whole run, so it stays dense throughout
-    cb = SparsityCallback(
-        phases=[{"sparsity": "2:4", "until": 2}, {"sparsity": 0.5}], exclude=exclude
-    )
+    # fc1 (6 inputs) could take the unstructured or dense phase, but a group keeps one set of
+    # parameters for the whole run, so it stays dense throughout, whichever phase is 2:4
+    cb = SparsityCallback(phases=phases, exclude=exclude)
     model = TinyModule(inputs=6)
     fast_trainer(max_steps=4, callbacks=[cb]).fit(model, random_loader(inputs=6))
     assert [t.name for t in cb.selection.targets] == ["net.fc2.weight"]
     text = "\n".join(r.getMessage() for r in lightning_log.records)
     assert (
-        "6 inputs per output, not a multiple of M=4 (2:4 in phase 1): net.fc1.weight"
-        in text
+        f"6 inputs per output, not a multiple of M=4 (2:4 in phase {nm_phase}): "
+        f"net.fc1.weight" in text
     )
-    assert bool((model.net.fc1.weight != 0).all())
-    assert float((model.net.fc2.weight == 0).float().mean()) == 0.5
+    assert cb.sparsifier.current.index == 1
+    with torch.no_grad():
+        assert bool((effective_rows(model.net.fc1) != 0).all())
+        fc2 = effective_rows(model.net.fc2)
+    if phases[-1]["sparsity"] == "2:4":
+        assert is_nm(fc2 != 0, NM(2, 4))
+    else:
+        assert float((fc2 == 0).float().mean()) == 0.5
 
 
 class Endless(IterableDataset):

@@ -71,10 +71,38 @@ def test_a_second_model_leaves_the_first_its_masked_forward(phases):
     assert_equal(weights(second), weights(alone))
     with pytest.raises(
         ValueError,
-        match=r"export_state_dict\(trainer\): SparsityCallback\{'name': 'sparsity'\} of this "
+        match=r"export_state_dict\(trainer\): SparsityCallback\{'name': 'sparsity'\} of the "
         r"trainer has since been fit on another model",
     ):
         export_state_dict(trainer)
+
+
+def test_a_model_whose_trainer_or_callback_went_on_to_another_model_is_not_exported():
+    first, second = model(0), model(1)
+    cb = callback([{"sparsity": 0.5}])
+    trainer = fast_trainer(max_steps=3, callbacks=[cb])
+    trainer.fit(first, loader())
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.fit(second, loader())  # the same trainer (and callback), another model
+    with pytest.raises(
+        ValueError,
+        match=r"export_state_dict\(TinyModule\): the model is no longer attached to the "
+        r"Trainer that fit it, which has since fit another model \(TinyModule\) and holds "
+        r"that model's weights and masks: export each model right after its fit",
+    ):
+        export_state_dict(first)
+    exported = export_state_dict(second)  # what the trainer holds is the second model's
+    assert_equal(exported, export_state_dict(trainer))
+    assert float((exported["net.fc1.weight"] == 0).float().mean()) == 0.5
+
+    third = model(2)  # its trainer stays, its callback goes on to another model
+    fast_trainer(max_steps=3, callbacks=[cb]).fit(third, loader())
+    with pytest.raises(
+        ValueError,
+        match=r"export_state_dict\(TinyModule\): SparsityCallback\{'name': 'sparsity'\} of "
+        r"the trainer has since been fit on another model",
+    ):
+        export_state_dict(second)
 
 
 def test_a_second_fit_with_a_new_trainer_restarts_the_schedule():

@@ -142,6 +142,27 @@ def test_the_cache_searches_once_per_shape_bucket_and_not_while_capturing(monkey
     assert len(calls) == 2
 
 
+def test_the_cache_searches_each_dtype_of_a_shape_on_its_own():
+    searched = []
+
+    def search(packed, dense, bias, transposed):
+        searched.append(packed.dtype)
+        return Algorithm(17 if packed.dtype == torch.bfloat16 else 5)
+
+    cache = AlgorithmCache(search, run=lambda *args: torch.ones(1))  # all agree
+    dtypes = [torch.bfloat16, torch.float16] * 2
+    chosen = [
+        cache.choose(
+            torch.empty(128, 144, dtype=dtype),
+            torch.empty(256, 300, dtype=dtype),
+            None,
+            out_features=128,
+        ).alg_id
+        for dtype in dtypes
+    ]
+    assert chosen == [17, 5, 17, 5] and searched == dtypes[:2]
+
+
 @pytest.mark.parametrize("matches", [True, False])
 def test_our_packer_is_used_only_where_its_bytes_match(monkeypatch, matches):
     monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})

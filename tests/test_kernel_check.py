@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback, to_semi_structured
-from lightning_sparse.backends import cusparselt, kernel_check, speed
+from lightning_sparse.backends import choose_backend, cusparselt, kernel_check, speed
 from lightning_sparse.backends import semi_structured as ss
 from lightning_sparse.backends.kernel_check import (
     KernelCheckError,
@@ -27,6 +27,7 @@ from lightning_sparse.backends.kernel_check import (
 )
 from lightning_sparse.backends.masked import project_eagerly, straight_through_mask
 from lightning_sparse.cli.main import SparseCLI
+from lightning_sparse.masks import NM
 from lightning_sparse.masks.tiles import (
     greedy_2to4_mask,
     tile_kernel_takes,
@@ -45,6 +46,28 @@ def right(x, weight, bias, mask, packing=None):
 def wrong(x, weight, bias, mask, packing=None):
     """A scrambled map, as a packed layout the library misreads gives."""
     return right(x, weight.flip(1), bias, mask)
+
+
+def wrong_input_gradient(x, weight, bias, mask, packing=None):
+    """The right output and weight gradient, but the input gradient through a scrambled
+    ``W24.T``, as a stale or misread packing of the transposed weight gives."""
+    out = right(x.detach(), weight, bias, mask)
+    if mask is None:
+        mask = transposable_2to4_mask(weight.detach())
+    scrambled = x @ (weight * mask).detach().flip(1).T
+    # adds exact zeros to the output, and the scrambled map to the input gradient
+    return out + (scrambled - scrambled.detach())
+
+
+def wrong_weight_gradient(x, weight, bias, mask, packing=None):
+    """The right output and input gradient, but the weight gradient of a scrambled map."""
+    out = right(x, weight.detach(), bias, mask)
+    scrambled = right(x.detach(), weight.flip(1), None, mask)
+    return out + (scrambled - scrambled.detach())
+
+
+def right_in_bfloat16_only(x, weight, bias, mask, packing=None):
+    return (right if x.dtype == torch.bfloat16 else wrong)(x, weight, bias, mask)
 
 
 def raising(x, weight, bias, mask, packing=None):
@@ -212,6 +235,43 @@ def test_no_op_packs_or_searches_before_the_kernel_check_passed(inject, monkeypa
     assert work == []
 
 
+@pytest.mark.parametrize(
+    "kernel",
+    [wrong_input_gradient, wrong_weight_gradient],
+    ids=["input gradient", "weight gradient"],
+)
+def test_a_kernel_with_a_right_output_and_a_wrong_gradient_fails_the_check(
+    inject, kernel
+):
+    torch.manual_seed(0)
+    x, weight = torch.randn(4, 256, requires_grad=True), torch.randn(128, 256)
+    assert torch.equal(kernel(x, weight, None, None), right(x, weight, None, None))
+    inject(kernel)
+    with pytest.warns(RuntimeWarning, match="wrong results.*not used in this process"):
+        verdict = check_kernel("cusparselt", torch.bfloat16, torch.device("cpu"))
+    assert not verdict.passed and verdict.error > 0.5
+
+
+def test_each_dtype_is_checked_and_a_kernel_wrong_in_one_runs_only_in_the_other(
+    inject,
+):
+    calls = inject(right_in_bfloat16_only)
+    layer = nn.Linear(256, 128)
+    owners = [("fc", layer, "weight")]
+    bf16 = choose_backend("auto", NM(2, 4), layer.weight, owners, torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match=", float16 gave wrong results"):
+        fp16 = choose_backend("auto", NM(2, 4), layer.weight, owners, torch.float16)
+    assert bf16.name == "semi_structured" and bf16.kernel == "cusparselt"
+    assert fp16.name == "masked"
+    assert ", float16 gave wrong results in the kernel check" in fp16.reason
+    assert len(calls) == 4  # both code paths, once in each dtype
+    x, weight = torch.randn(4, 256), layer.weight.detach()
+    ss.semi_structured_linear(x.bfloat16(), weight.bfloat16(), None, "cusparselt")
+    with pytest.raises(KernelCheckError, match=", float16 gave wrong results"):
+        ss.semi_structured_linear(x.half(), weight.half(), None, "cusparselt")
+    assert len(calls) == 5  # the bfloat16 matmul ran, the float16 one did not
+
+
 def test_the_check_runs_once_per_process_and_its_verdict_is_kept(inject):
     calls = inject(right)
     for _ in range(3):
@@ -231,7 +291,11 @@ def test_a_kernel_wrong_only_with_a_stored_mask_fails_the_check(inject):
     assert not verdict.passed and calls == ["check", "check"]
 
 
-@pytest.mark.parametrize("kernel", [wrong, raising], ids=["wrong", "raising"])
+@pytest.mark.parametrize(
+    "kernel",
+    [wrong, raising, wrong_input_gradient],
+    ids=["wrong", "raising", "wrong input gradient"],
+)
 def test_a_failing_kernel_runs_masked_from_fit_start_and_says_why(
     inject, lightning_log, kernel
 ):

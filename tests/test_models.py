@@ -414,6 +414,21 @@ def test_conv_nm_groups_run_along_input_channels(algorithm):
         assert bool((kept == 2).all())
 
 
+def test_a_stem_that_cannot_hold_a_later_phases_nm_stays_dense_all_run():
+    model = ConvNet()
+    phases = resolve_phases(
+        [Phase(sparsity=0.0, until=2), Phase(sparsity="2:4")], total_steps=10
+    )
+    selection = select_parameters(model, phases=phases)
+    assert [t.name for t in selection.targets] == ["conv.weight"]
+    assert selection.excluded["stem.weight"] == (
+        "3 input channels, not a multiple of M=4 (2:4 in phase 2)"
+    )
+    sp = Sparsifier("t", selection.targets, phases, backend="masked")
+    sp.on_step_start(2, [])
+    assert sp.current.index == 1 and bool((model.stem.weight != 0).all())
+
+
 def test_timm_vit_runtime_2to4_selects_the_block_linears_and_trains():
     timm = pytest.importorskip("timm")
     vit = timm.create_model(

@@ -132,27 +132,38 @@ def _trainer_of(model: pl.LightningModule) -> pl.Trainer:
         trainer = model.trainer
     except RuntimeError:  # Lightning's way of saying "not attached"
         trainer = None
-    if trainer is None or trainer.lightning_module is not model:
+    called = f"export_state_dict({type(model).__name__})"
+    if trainer is None:
         raise ValueError(
-            f"export_state_dict({type(model).__name__}): the model is not attached to the "
-            f"Trainer that fit it, and the masks live in that trainer's SparsityCallback: pass "
-            f"the trainer (export_state_dict(trainer)) or a checkpoint it wrote"
+            f"{called}: the model is not attached to the Trainer that fit it, and the masks "
+            f"live in that trainer's SparsityCallback: pass the trainer "
+            f"(export_state_dict(trainer)) or a checkpoint it wrote"
+        )
+    if trainer.lightning_module is not model:
+        # the trainer went on to fit another model: its weights and masks are that model's
+        raise ValueError(
+            f"{called}: the model is no longer attached to the Trainer that fit it, which has "
+            f"since fit another model ({type(trainer.lightning_module).__name__}) and holds "
+            f"that model's weights and masks: export each model right after its fit "
+            f"(export_state_dict(model)), or pass a checkpoint written during its fit "
+            f"(export_state_dict('path/to.ckpt'))"
         )
     return trainer
 
 
-def _check_fitted_here(trainer: pl.Trainer) -> None:
+def _check_fitted_here(trainer: pl.Trainer, called: str) -> None:
     """Raise if a sparsity callback of ``trainer`` has since been fit on another model: its
-    masks are that model's now (a callback holds the engine of its latest fit)."""
+    masks are that model's now (a callback holds the engine of its latest fit). ``called``
+    names the call in the message."""
     for cb in trainer.callbacks:
         sparsifier = getattr(cb, "sparsifier", None)
         if not isinstance(sparsifier, Sparsifier) or not sparsifier.targets:
             continue
         if not sparsifier.belongs_to(trainer.lightning_module):
             raise ValueError(
-                f"export_state_dict(trainer): {cb.state_key} of this trainer has since been "
-                f"fit on another model, so the masks it holds are that model's: export each "
-                f"model right after its fit, or give each model its own SparsityCallback"
+                f"{called}: {cb.state_key} of the trainer has since been fit on another "
+                f"model, so the masks it holds are that model's: export each model right "
+                f"after its fit, or give each model its own SparsityCallback"
             )
 
 
@@ -217,7 +228,9 @@ def export_state_dict(
         source: a :class:`~lightning.pytorch.Trainer` that ran ``fit`` with sparsity callbacks
             (with sharded parameters, e.g. FSDP2, call it on every rank: weights are gathered),
             the :class:`~lightning.pytorch.LightningModule` it trained (still attached to that
-            trainer, as after ``fit``), a checkpoint dict, or a path to a checkpoint file.
+            trainer, as after ``fit``; once the trainer or its callback has fit another model,
+            the module is refused, never exported with that model's weights or masks), a
+            checkpoint dict, or a path to a checkpoint file.
         trusted: for a path only: unpickle the file in full (``torch.load(weights_only=False)``).
             A pickle can run any code when it is loaded, so by default only tensors, containers
             and plain values are read, which is all a checkpoint of ``Trainer.fit`` with
@@ -226,10 +239,12 @@ def export_state_dict(
     """
     if not isinstance(trusted, bool):
         raise TypeError(f"export_state_dict(trusted={trusted!r}): use True or False")
+    called = "export_state_dict(trainer)"
     if isinstance(source, pl.LightningModule):
+        called = f"export_state_dict({type(source).__name__})"
         source = _trainer_of(source)
     if isinstance(source, pl.Trainer):
-        _check_fitted_here(source)
+        _check_fitted_here(source, called)
         # found by state key, as in a checkpoint: export sits below the callback
         states = {cb.state_key: cb.state_dict() for cb in source.callbacks}
         masks = _checkpoint_masks({"callbacks": states}, "the trainer's callbacks")
