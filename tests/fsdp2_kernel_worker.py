@@ -51,13 +51,7 @@ from lightning_sparse.engine.forwards import LayerForwards
 from lightning_sparse.engine.sharding import gather_full, is_sharded
 
 INPUTS, HIDDEN, OUTPUTS = 128, 384, 256
-# each 2:4 matmul by (out_features, in_features) of its packed weight; the first layer's
-# input needs no gradient, so it has no input-gradient matmul
-MATMULS = {
-    f"{HIDDEN}x{INPUTS}": "blocks.0 forward",
-    f"{OUTPUTS}x{HIDDEN}": "blocks.1 forward",
-    f"{HIDDEN}x{OUTPUTS}": "blocks.1 input gradient",
-}
+LLAMA_DEMO = "llama_1b_fsdp2_cpu_demo.yaml"
 
 
 class Block(nn.Module):
@@ -111,7 +105,9 @@ class BlockModule(L.LightningModule):
 
 
 class KernelCalls:
-    """The 2:4 matmuls (cuSPARSELt's, on the stand-in) of each optimizer step, by layer, how
+    """The 2:4 matmuls (cuSPARSELt's, on the stand-in) of each optimizer step, by the shape
+    ``"<out>x<in>"`` of the weight they multiply by (``W`` in a forward, ``W.T`` in an input
+    gradient: the whole weight's, not a shard's), how
     their weights were packed (``projected``: pruned in the forward and packed whole;
     ``stored``: gathered at a stored mask's positions), the dtypes they ran in, and the
     graphs compiled by then; the kernel check's own matmuls at fit start are not counted."""
@@ -132,7 +128,7 @@ class KernelCalls:
                 self.calls.setdefault(self.step, Counter())[key] += 1
 
         def recorded(packed, out_features, dense, bias):
-            count(MATMULS.get(f"{out_features}x{dense.shape[1]}", "other"))
+            count(f"{out_features}x{dense.shape[1]}")
             if self.step is not None:
                 self.dtypes.add(str(dense.dtype))
             return matmul(packed, out_features, dense, bias)
@@ -155,10 +151,16 @@ class StepRecord(L.Callback):
     """Placed after the SparsityCallback: what each optimizer step left (see the module
     docstring), on this rank."""
 
-    def __init__(self, sparsity: SparsityCallback, kernel: KernelCalls) -> None:
-        self.sparsity, self.kernel = sparsity, kernel
+    def __init__(self, kernel: KernelCalls) -> None:
+        self.kernel = kernel
+        self.sparsity: SparsityCallback | None = None
         self.steps: dict[int, dict[str, Any]] = {}
         self.choices: dict[str, list[str]] = {}
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        (self.sparsity,) = [
+            cb for cb in trainer.callbacks if isinstance(cb, SparsityCallback)
+        ]
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.choices = {
@@ -229,7 +231,7 @@ def fit(
     sparsity = SparsityCallback(
         phases=cfg["phases"], params=["blocks.*.fc.weight"], verbose=False
     )
-    record = StepRecord(sparsity, kernel)
+    record = StepRecord(kernel)
     callbacks: list[L.Callback] = [RankRNG(), sparsity, record]
     if run.get("resume"):
         callbacks.append(step_checkpoints(out, cfg["checkpoint_step"]))
@@ -298,6 +300,32 @@ def agreed_kernel_checks() -> dict[str, Any]:
     return {"name": choice.name, "reason": choice.reason}
 
 
+def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
+    """The Llama FSDP2 CPU demo recipe through the command line for 3 steps (2 on 2:4): its
+    MLPs choose the kernel and run it, per step, on the weights FSDP2 gathers."""
+    from lightning_sparse.cli.main import SparseCLI
+
+    kernel.calls, kernel.dtypes = {}, set()
+    record = StepRecord(kernel)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf" / LLAMA_DEMO
+    cli = SparseCLI(
+        args=[
+            "fit",
+            f"--config={recipe}",
+            "--trainer.max_steps=3",
+            "--trainer.limit_val_batches=0",
+            f"--trainer.default_root_dir={out}",
+        ],
+        trainer_defaults={"callbacks": [record]},
+    )
+    return {
+        "choices": record.choices,
+        "calls": {step: record.steps[step]["calls"] for step in record.steps},
+        "kernel_dtypes": sorted(kernel.dtypes),
+        "loss": float(cli.trainer.callback_metrics["train/loss"]),
+    }
+
+
 def tensor_parallel() -> str:
     """A weight sharded as a DTensor without FSDP2 (as tensor parallelism does): its
     forward would multiply a DTensor, which the 2:4 kernels do not take."""
@@ -334,6 +362,7 @@ def main() -> None:
                 report[f"{name} resumed"] = fit(
                     cfg, run, where / "resumed", kernel, str(ckpt)
                 )
+        report["llama_demo"] = llama_demo(out / "llama_demo", kernel)
         report["speed_shapes"] = speed_shapes()
         report["agreed_kernel_checks"] = agreed_kernel_checks()
         report["tensor_parallel"] = tensor_parallel()

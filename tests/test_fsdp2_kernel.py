@@ -53,12 +53,10 @@ RUNS: dict[str, dict[str, Any]] = {
     },
 }
 FSDP2 = [name for name, run in RUNS.items() if "reference" in run]
-# the 2:4 matmuls of a sparse step, on each rank: the first layer's input needs no gradient
-SPARSE_STEP = {
-    "blocks.0 forward": 1,
-    "blocks.1 forward": 1,
-    "blocks.1 input gradient": 1,
-}
+# the 2:4 matmuls of a sparse step on each rank, by the whole shape they multiply by: the
+# forwards of blocks.0 (128->384) and blocks.1 (384->256), and the input gradient of blocks.1
+# (its W.T); the first layer's input needs no gradient
+SPARSE_STEP = {"384x128": 1, "256x384": 1, "384x256": 1}
 WORKER = Path(__file__).with_name("fsdp2_kernel_worker.py")
 
 
@@ -91,7 +89,7 @@ def test_fsdp2_kernel_runs_on_the_gathered_weights_as_ddp_does(job, run):
         got, expected = steps(report, run), steps(report, reference)
         assert sorted(got) == list(range(STEPS))
         for step, record in got.items():
-            calls = {k: v for k, v in record["calls"].items() if k in SPARSE_STEP}
+            calls = {k: v for k, v in record["calls"].items() if "x" in k}
             assert calls == (SPARSE_STEP if step < PHASES[-2]["until"] else {}), step
             assert record["calls"] == expected[step]["calls"], step
             # the first phase prunes in the forward; the next two pack stored masks
@@ -194,6 +192,24 @@ def test_fsdp2_kernel_runs_only_where_every_rank_passed_the_kernel_check(job):
         "failed"
     )
     assert "gave wrong results in the kernel check" in failed["reason"]
+
+
+def test_fsdp2_kernel_runs_on_every_mlp_of_the_llama_cpu_demo_recipe(job):
+    """``recipes/hf/llama_1b_fsdp2_cpu_demo.yaml`` through ``lightning-sparse fit`` (3 steps,
+    the first 2 sparse): FSDP2 per decoder block, bf16 MixedPrecisionPolicy and autocast;
+    each of the 6 MLP layers runs its forward and input gradient on the kernel at each sparse
+    step (gate_proj and up_proj 128->384, down_proj 384->128; ``W.T`` of one is the shape
+    of ``W`` of the other)."""
+    for report in job:
+        demo = report["llama_demo"]
+        assert len(demo["choices"]) == 6
+        for name, reason in demo["choices"].values():
+            assert name == "semi_structured"
+            assert reason.endswith("on the bfloat16 weight FSDP2 gathers from 2 shards")
+        sparse = {"384x128": 6, "128x384": 6, "projected": 12}
+        assert demo["calls"] == {"0": sparse, "1": sparse, "2": {}}
+        assert demo["kernel_dtypes"] == ["torch.bfloat16"]
+        assert 4.0 < demo["loss"] < 6.0  # log(256) = 5.5: untrained
 
 
 def test_fsdp2_kernel_is_refused_for_a_dtensor_the_forward_sees(job):
