@@ -41,8 +41,8 @@ def plan(capsys, *extra: str) -> str:
 
 
 def memory_rows(out: str) -> dict[str, list[str]]:
-    """The memory table's rows by phase: weights, masks, whole masks, packing, total, at a
-    mask choice."""
+    """The memory table's rows by phase: weights, masks, whole masks, packing, total, until
+    backward, at a mask choice."""
     table = out.split("memory per rank", 1)[1]
     rows = (re.split(r"\s{2,}", line.strip()) for line in table.splitlines())
     return {
@@ -75,6 +75,7 @@ def test_fsdp2_kernel_plan_of_the_llama_recipe_on_8_h100s(capsys):
             "0.0",
             "0.0",
             f"{weights + masks:.1f}",
+            f"+{MLP * 2 / MIB:.1f}",  # the pruned bf16 copies, whole, until the backward
             f"+{MLP * 5 / MIB:.1f} (transient)",
         ]
     }
@@ -108,6 +109,7 @@ def test_fsdp2_kernel_memory_of_stored_masks_on_the_kernel(monkeypatch, shards):
     assert memory.masks == numel // shards
     assert memory.whole_masks == (numel if shards > 1 else 0)
     assert memory.packing == numel * PACKING_BYTES
+    assert memory.until_backward == 0  # the stored-mask ops multiply the weight itself
     assert memory.at_mask_choice == (numel * 5 if shards > 1 else 0)
 
 

@@ -56,7 +56,8 @@ class GatheredWeight:
         if self.shards is None:
             return ""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"on the {dtype} weight FSDP2 gathers from {self.shards} shards"
+        shards = f"{self.shards} shard" + ("s" if self.shards != 1 else "")
+        return f"on the {dtype} weight FSDP2 gathers from {shards}"
 
 
 def gathered_weight(weight: Tensor) -> GatheredWeight | str:

@@ -15,6 +15,12 @@ state are not), in each sparse phase, from what the engine keeps (see
   (:class:`~lightning_sparse.backends.cusparselt.MaskPacking`: a copy of the mask, 1 byte per
   weight, 2 x 1 byte of group keys and 2 x 1/8 byte of metadata: 3.25 bytes per weight), whole,
   on every rank. A mask projected in the forward (``runtime``) keeps none.
+- **until backward**: a straight-through forward multiplies a new tensor, the weight times its
+  mask (or a 2:4 kernel's pruned copy of a weight projected in the forward), which autograd
+  keeps from the forward to the backward: the whole weight in the matmul dtype, per layer, on
+  every rank (under FSDP2 too: the gathered weight is freed after the forward, this copy is
+  not). A stored mask on a 2:4 kernel and a hard mask on masked math multiply the weight
+  itself, and keep none.
 - **at a mask choice**: transient, at the phase start and each mask update: under FSDP2 every
   selected weight is gathered whole at once (its stored dtype) with its mask (1 byte), to choose
   masks on whole tensors.
@@ -35,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from lightning_sparse.backends.cusparselt import packs_stored_masks
 from lightning_sparse.engine.report import text_table
 from lightning_sparse.engine.sparsifier import Sparsifier
@@ -53,12 +61,18 @@ class PhaseMemory:
     masks: int
     whole_masks: int
     packing: int
+    until_backward: int
     at_mask_choice: int
 
 
-def phase_memory(sparsifier: Sparsifier, shards: int = 1) -> list[PhaseMemory]:
+def phase_memory(
+    sparsifier: Sparsifier,
+    shards: int = 1,
+    compute_dtype: torch.dtype | None = None,
+) -> list[PhaseMemory]:
     """Each sparse phase's :class:`PhaseMemory` for ``sparsifier``'s weights, sharded over
-    ``shards`` ranks by FSDP2 (``1``: not sharded)."""
+    ``shards`` ranks by FSDP2 (``1``: not sharded), with matmuls in ``compute_dtype``
+    (autocast's; ``None``: the weights' own)."""
     sp = sparsifier
     numel = {t.name: t.param.numel() for t in sp.targets}
     total = sum(numel.values())
@@ -68,11 +82,14 @@ def phase_memory(sparsifier: Sparsifier, shards: int = 1) -> list[PhaseMemory]:
         algo = sp.algorithms.get(phase.index)
         if algo is None:
             continue
-        whole = packing = 0
+        whole = packing = saved = 0
         for t in sp.targets:
             choice = sp.backends[phase.index, t.name]
             kernel = choice.name == "semi_structured"
             stored = not algo.projects and (algo.straight_through or kernel)
+            if algo.projects or (algo.straight_through and not kernel):
+                dtype = compute_dtype or t.param.dtype
+                saved += numel[t.name] * dtype.itemsize
             if stored and shards > 1:
                 whole += numel[t.name]
             rows = tuple(t.layer.to_rows(t.param).shape)
@@ -86,13 +103,16 @@ def phase_memory(sparsifier: Sparsifier, shards: int = 1) -> list[PhaseMemory]:
                 -(-total // shards),
                 whole,
                 packing,
+                saved,
                 choice_peak,
             )
         )
     return found
 
 
-def memory_table(sparsifier: Sparsifier, shards: int = 1) -> list[str]:
+def memory_table(
+    sparsifier: Sparsifier, shards: int = 1, compute_dtype: torch.dtype | None = None
+) -> list[str]:
     """:func:`phase_memory` as table lines, in MiB (none for a group without a sparse phase)."""
     rows = [
         [
@@ -102,14 +122,16 @@ def memory_table(sparsifier: Sparsifier, shards: int = 1) -> list[str]:
             "whole masks",
             "2:4 packing",
             "total",
+            "until backward",
             "at a mask choice",
         ]
     ]
-    for m in phase_memory(sparsifier, shards):
+    for m in phase_memory(sparsifier, shards, compute_dtype):
         kept = m.weights + m.masks + m.whole_masks + m.packing
         rows.append(
             [f"phase {m.phase + 1}"]
             + [_mib(v) for v in (m.weights, m.masks, m.whole_masks, m.packing, kept)]
+            + [f"+{_mib(m.until_backward)}" if m.until_backward else "-"]
             + [f"+{_mib(m.at_mask_choice)} (transient)" if m.at_mask_choice else "-"]
         )
     return text_table(rows) if len(rows) > 1 else []

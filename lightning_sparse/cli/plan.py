@@ -371,7 +371,7 @@ def _memory_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
     """The group's memory per rank by sparse phase (:mod:`lightning_sparse.cli.memory`),
     sharded over the run's ranks under FSDP2."""
     shards = plan.world_size if plan.sharded else 1
-    table = memory_table(group.sparsifier, shards)
+    table = memory_table(group.sparsifier, shards, autocast_dtype(plan.precision))
     if not table:
         return []
     if plan.sharded:
@@ -385,8 +385,9 @@ def _memory_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
         )
         how = f"not sharded: whole weights and masks on {ranks}"
     title = (
-        f"memory per rank for the selected weights, MiB ({how}; the rest of the model, "
-        f"activations and optimizer state not counted; lightning_sparse/cli/memory.py):"
+        f"memory per rank for the selected weights, MiB ({how}; until backward: sparse "
+        f"copies of the weights the forward keeps for the backward; the rest of the model, "
+        f"other activations and optimizer state not counted; lightning_sparse/cli/memory.py):"
     )
     return _wrap(title, 2) + ["    " + line for line in table]
 
