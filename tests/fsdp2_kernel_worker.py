@@ -156,6 +156,7 @@ class StepRecord(L.Callback):
         self.sparsity: SparsityCallback | None = None
         self.steps: dict[int, dict[str, Any]] = {}
         self.choices: dict[str, list[str]] = {}
+        self.checked: list[list[str]] = []
 
     def setup(self, trainer, pl_module, stage) -> None:
         (self.sparsity,) = [
@@ -167,6 +168,10 @@ class StepRecord(L.Callback):
             f"{index} {name}": [choice.name, choice.reason]
             for (index, name), choice in self.sparsity.sparsifier.backends.items()
         }
+        # the (kernel, dtype) pairs the kernel check ran for at fit start
+        self.checked = sorted(
+            [kernel, str(dtype)] for kernel, dtype, _ in kernel_check._VERDICTS
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.kernel.step = trainer.global_step
@@ -217,6 +222,7 @@ def fit(
     rank = int(os.environ["LOCAL_RANK"])
     strategy_name = run["strategy"]
     kernel.calls, kernel.dtypes, kernel.compiles = {}, set(), 0
+    kernel_check.forget_verdicts()  # as a new process: each fit checks again
     torch._dynamo.reset()
     L.seed_everything(cfg["seed"])
     model = BlockModule(run, kernel.backend)
@@ -247,6 +253,7 @@ def fit(
     return {
         "steps": record.steps,
         "choices": record.choices,
+        "checked": record.checked,
         "kernel_dtypes": sorted(kernel.dtypes),
     }
 
@@ -270,8 +277,8 @@ def speed_shapes() -> dict[str, Any]:
         patch.setattr(
             speed,
             "measure_speedup",
-            lambda shape, *args, **kw: (
-                timed.append(list(shape)) or speed.SpeedMeasurement(1.2, 0.0)
+            lambda shape, dtype, *args, **kw: (
+                timed.append([*shape, str(dtype)]) or speed.SpeedMeasurement(1.2, 0.0)
             ),
         )
         targets, forwards = sharded_layer(verify_speed=True)

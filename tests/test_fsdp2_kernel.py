@@ -143,6 +143,8 @@ def test_fsdp2_kernel_table_says_why_each_sharded_layer_runs_it(job, run):
                 f"cuSPARSELt, sm90, bfloat16, on the {dtype} weight FSDP2 gathers from 2 "
                 f"shards"
             )
+        # the kernel check ran in the dtype of the gathered weight's matmuls
+        assert report[run]["checked"] == [["cusparselt", "torch.bfloat16"]]
         assert report["ddp"]["choices"]["0 blocks.0.fc.weight"] == [
             "semi_structured",
             "cuSPARSELt, sm90, bfloat16",
@@ -175,7 +177,8 @@ def test_fsdp2_kernel_resumes_from_a_distributed_checkpoint_exactly(job):
 def test_fsdp2_kernel_verify_speed_times_the_whole_shape(job):
     for report in job:
         shapes = report["speed_shapes"]
-        assert shapes["timed"] == [[384, 128]] and shapes["local"] == [192, 128]
+        assert shapes["timed"] == [[384, 128, "torch.bfloat16"]]
+        assert shapes["local"] == [192, 128]
         name, reason = shapes["choice"]
         assert name == "semi_structured"
         assert reason.endswith(
