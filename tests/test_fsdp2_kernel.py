@@ -22,17 +22,18 @@ from multiprocess import run_workers
 
 PHASES = [
     {"sparsity": "2:4", "until": 2},  # runtime: projected in the forward
-    {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 1, "until": 4},
+    {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 1, "until": 5},
     {
         "sparsity": "2:4",
         "algorithm": "rigl",
         "update_every": 1,
         "drop_fraction": 0.3,
-        "until": 6,
+        "until": 8,
     },
     {"sparsity": 0.0},
 ]
-STEPS = 7
+STEPS = 9
+SPARSE = PHASES[-2]["until"]  # steps before the dense phase
 CHECKPOINT = 3  # inside the magnitude phase, after an update
 # each FSDP2 run, the DDP run it must equal, and how it runs
 RUNS: dict[str, dict[str, Any]] = {
@@ -90,24 +91,27 @@ def test_fsdp2_kernel_runs_on_the_gathered_weights_as_ddp_does(job, run):
         assert sorted(got) == list(range(STEPS))
         for step, record in got.items():
             calls = {k: v for k, v in record["calls"].items() if "x" in k}
-            assert calls == (SPARSE_STEP if step < PHASES[-2]["until"] else {}), step
+            assert calls == (SPARSE_STEP if step < SPARSE else {}), step
             assert record["calls"] == expected[step]["calls"], step
             # the first phase prunes in the forward; the next two pack stored masks
             how = "projected" if step < PHASES[0]["until"] else "stored"
-            if step < PHASES[-2]["until"]:
+            if step < SPARSE:
                 assert record["calls"][how] == 3, (step, record["calls"])
         assert report[run]["kernel_dtypes"] == ["torch.bfloat16"]
 
 
 @pytest.mark.parametrize("run", FSDP2)
 def test_fsdp2_kernel_training_equals_ddp_bit_for_bit(job, run):
-    """Loss, whole weights, masks and exported state dict after every step, on every rank."""
+    """Loss, whole weights, masks and exported state dict after every step, on every rank;
+    the stored masks change within their phases (so a stale packing would show)."""
     reference = RUNS[run]["reference"]
     for report in job:
         got, expected = steps(report, run), steps(report, reference)
         for step in range(STEPS):
             for key in ("loss", "weights", "masks", "export"):
                 assert got[step][key] == expected[step][key], (run, step, key)
+        for start, end in ((2, 5), (5, 8)):  # magnitude, rigl
+            assert got[start]["masks"] != got[end - 1]["masks"], (run, start)
     assert (
         steps(job[0], run)[STEPS - 1]["weights"]
         == steps(job[1], run)[STEPS - 1]["weights"]
@@ -122,9 +126,9 @@ def test_fsdp2_kernel_keeps_sharded_fp32_parameters_and_masks(job, run):
     for report in job:
         for step, record in steps(report, run).items():
             assert record["param_dtypes"] == ["torch.float32"]
-            if step < PHASES[-2]["until"]:
+            if step < SPARSE:
                 assert record["sharded"] == [True, True], step
-            if PHASES[0]["until"] <= step < PHASES[-2]["until"]:
+            if PHASES[0]["until"] <= step < SPARSE:
                 assert record["packing"] == {
                     "blocks.0.fc.weight": True,
                     "blocks.1.fc.weight": True,
@@ -159,7 +163,10 @@ def test_fsdp2_kernel_graphs_compile_only_at_phase_starts(job):
         compiles = {
             s: r["compiles"] for s, r in steps(report, "fsdp2 compiled").items()
         }
-        assert compiles == {0: 2, 1: 2, 2: 4, 3: 4, 4: 4, 5: 4, 6: 6}
+        runtime, dense = PHASES[0]["until"], SPARSE
+        assert compiles == {
+            s: 2 if s < runtime else 4 if s < dense else 6 for s in range(STEPS)
+        }
         ddp = {s: r["compiles"] for s, r in steps(report, "ddp compiled").items()}
         assert compiles == ddp
 
