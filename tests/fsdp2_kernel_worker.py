@@ -107,39 +107,24 @@ class BlockModule(L.LightningModule):
 class KernelCalls:
     """The 2:4 matmuls (cuSPARSELt's, on the stand-in) of each optimizer step, by the shape
     ``"<out>x<in>"`` of the weight they multiply by (``W`` in a forward, ``W.T`` in an input
-    gradient: the whole weight's, not a shard's), how
-    their weights were packed (``projected``: pruned in the forward and packed whole;
-    ``stored``: gathered at a stored mask's positions), the dtypes they ran in, and the
-    graphs compiled by then; the kernel check's own matmuls at fit start are not counted."""
+    gradient: the whole weight's, not a shard's), the dtypes they ran in, and the graphs
+    compiled by then; the kernel check's own matmuls at fit start are not counted."""
 
     def __init__(self, patch: pytest.MonkeyPatch) -> None:
         self.step: int | None = None
         self.calls: dict[int, Counter] = {}
         self.dtypes: set[str] = set()
         self.compiles = 0
-        matmul, pack, pack_stored = (
-            cusparselt._sparse_mm,
-            cusparselt.pack,
-            cusparselt._pack_stored,
-        )
-
-        def count(key: str) -> None:
-            if self.step is not None:
-                self.calls.setdefault(self.step, Counter())[key] += 1
+        matmul = cusparselt._sparse_mm
 
         def recorded(packed, out_features, dense, bias):
-            count(f"{out_features}x{dense.shape[1]}")
             if self.step is not None:
+                shape = f"{out_features}x{dense.shape[1]}"
+                self.calls.setdefault(self.step, Counter())[shape] += 1
                 self.dtypes.add(str(dense.dtype))
             return matmul(packed, out_features, dense, bias)
 
         patch.setattr(cusparselt, "_sparse_mm", recorded)
-        patch.setattr(cusparselt, "pack", lambda w24: count("projected") or pack(w24))
-        patch.setattr(
-            cusparselt,
-            "_pack_stored",
-            lambda *args: count("stored") or pack_stored(*args),
-        )
 
     def backend(self, gm: Any, example_inputs: Any) -> Any:
         """``aot_eager``, counting the graphs it compiles."""
