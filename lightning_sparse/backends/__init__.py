@@ -102,7 +102,9 @@ def choose_backend(
 ) -> BackendChoice:
     """The backend for ``weight`` (held by ``owners``) in a sparse phase with ``target``.
 
-    ``compute_dtype`` is the autocast dtype (``None``: the weight's own); ``speedup``, when
+    ``compute_dtype`` is the autocast dtype (``None``: the weight's own, as its forward sees
+    it: for FSDP2, the gathered weight's, see :mod:`~lightning_sparse.backends.fsdp`); the
+    kernel check and ``speedup`` run in that dtype at the whole shape; ``speedup``, when
     given, measures sparse against dense and keeps slower layers on masked dense math;
     ``gpu`` predicts the choice on that GPU instead of the weight's own device.
     """
