@@ -60,8 +60,8 @@ class RankBatches(RepeatedBatch):
     ranks before DDP/FSDP averages them, and a resume mid-epoch sees the batches of the
     uninterrupted run (Lightning restarts the epoch's loader; see DESIGN.md pitfalls)."""
 
-    def __init__(self, rank: int) -> None:
-        super().__init__(n=32, batch_size=8)
+    def __init__(self, rank: int, inputs: int = 8) -> None:
+        super().__init__(n=32, batch_size=8, inputs=inputs)
         self.x = self.x + rank
 
 
@@ -111,6 +111,33 @@ class MaskHashes(L.Callback):
         }
 
 
+def step_checkpoints(out: Path, every: int) -> ModelCheckpoint:
+    """A checkpoint every ``every`` optimizer steps in ``out/ckpt``, named ``step=<n>.ckpt``
+    (a directory under FSDP2: a distributed checkpoint), all kept."""
+    return ModelCheckpoint(
+        dirpath=out / "ckpt",
+        every_n_train_steps=every,
+        save_top_k=-1,
+        filename="{step}",
+    )
+
+
+def job_trainer(
+    strategy: Any, max_steps: int, callbacks: list[L.Callback], **kwargs: Any
+) -> L.Trainer:
+    """A deterministic trainer on this job's 2 processes; each rank feeds its own batches
+    (:class:`RankBatches`), so no distributed sampler."""
+    return fast_trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        deterministic=True,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
+
+
 def fit(
     cfg: dict[str, Any], strategy_name: str, out: Path, ckpt_path: str | None
 ) -> dict[str, Any]:
@@ -136,21 +163,13 @@ def fit(
     )
     log = MetricsLog()  # records on every rank
     hashes = MaskHashes(sparsity)
-    ckpt = ModelCheckpoint(
-        dirpath=out / "ckpt",
-        every_n_train_steps=cfg["checkpoint_step"],
-        save_top_k=-1,
-        filename="{step}",
-    )
-    trainer = fast_trainer(
-        strategy=strategy,
-        devices=2,
-        max_steps=cfg["max_steps"],
-        callbacks=[RankRNG(), sparsity, hashes, ckpt],
+    ckpt = step_checkpoints(out, cfg["checkpoint_step"])
+    trainer = job_trainer(
+        strategy,
+        cfg["max_steps"],
+        [RankRNG(), sparsity, hashes, ckpt],
         logger=log,
         enable_checkpointing=True,
-        deterministic=True,
-        use_distributed_sampler=False,  # RankBatches splits the data
     )
     data = DataLoader(RankBatches(rank), batch_size=8)
     trainer.fit(model, data, ckpt_path=ckpt_path)

@@ -1,4 +1,4 @@
-"""Run ``tests/distributed_worker.py`` as a 2-process job on the CPU (gloo), as torchrun would.
+"""Run a worker script (``tests/distributed_worker.py`` by default) as a 2-process job on the CPU (gloo), as torchrun would.
 
 The processes are started here with ``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_PORT`` set, so
 Lightning's ``LightningEnvironment`` treats them as externally launched and the worker can run
@@ -26,9 +26,14 @@ def _free_port() -> int:
 
 
 def run_workers(
-    config: dict[str, Any], out: Path, nprocs: int = 2, timeout: float = 300
+    config: dict[str, Any],
+    out: Path,
+    nprocs: int = 2,
+    timeout: float = 300,
+    worker: Path = WORKER,
 ) -> list[dict[str, Any]]:
-    """Run the worker on ``nprocs`` CPU processes; return each rank's report (rank order)."""
+    """Run ``worker`` (a script in ``tests/``) on ``nprocs`` CPU processes; return each rank's
+    report (rank order)."""
     out.mkdir(parents=True, exist_ok=True)
     config = {**config, "out": str(out)}
     port = _free_port()
@@ -50,7 +55,7 @@ def run_workers(
         log = (out / f"rank{rank}.log").open("w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(config)],
+                [sys.executable, str(worker), json.dumps(config)],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_sparse.backends.capability import semi_structured_kernel
+from lightning_sparse.backends.capability import forward_dtype, semi_structured_kernel
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.kernel_check import TOLERANCE, check_kernel
 from lightning_sparse.backends.speed import TIMINGS, SpeedMeasurement
@@ -102,7 +102,9 @@ def choose_backend(
 ) -> BackendChoice:
     """The backend for ``weight`` (held by ``owners``) in a sparse phase with ``target``.
 
-    ``compute_dtype`` is the autocast dtype (``None``: the weight's own); ``speedup``, when
+    ``compute_dtype`` is the autocast dtype (``None``: the weight's own, as its forward sees
+    it: for FSDP2, the gathered weight's, see :mod:`~lightning_sparse.backends.fsdp`); the
+    kernel check and ``speedup`` run in that dtype at the whole shape; ``speedup``, when
     given, measures sparse against dense and keeps slower layers on masked dense math;
     ``gpu`` predicts the choice on that GPU instead of the weight's own device.
     """
@@ -115,16 +117,13 @@ def choose_backend(
         return BackendChoice("masked", why)
     if gpu is not None or weight.is_meta:  # a plan's prediction: nothing runs
         return BackendChoice("semi_structured", why, kernel)
-    verdict = check_kernel(kernel, compute_dtype or weight.dtype, weight.device)
+    dtype = forward_dtype(weight, compute_dtype)  # FSDP2: the gathered weight's
+    verdict = check_kernel(kernel, dtype, weight.device)
     if not verdict.passed:
         return BackendChoice("masked", f"{verdict.reason}: running masked math")
     if verdict.note:
         why = f"{why}, {verdict.note}"
-    measured = (
-        None
-        if speedup is None
-        else speedup(weight, kernel, compute_dtype or weight.dtype)
-    )
+    measured = None if speedup is None else speedup(weight, kernel, dtype)
     if measured is not None:
         if measured.error > TOLERANCE:
             rows, cols = weight.shape

@@ -4,9 +4,12 @@
 ``True`` on a machine without a GPU. So every rule here looks at the parameter's own device:
 
 - a CUDA device (not ROCm) of compute capability 8.0 (Ampere) or newer;
-- a plain ``nn.Linear`` or Hugging Face ``Conv1D`` weight (2-D, not shared by several modules,
-  not a sharded DTensor);
-- a float16 or bfloat16 matmul: the weight's dtype, or the autocast dtype of
+- a plain ``nn.Linear`` or Hugging Face ``Conv1D`` weight (2-D, not shared by several modules),
+  stored as a plain tensor or sharded by FSDP2, whose forward multiplies the gathered whole
+  tensor (:mod:`~lightning_sparse.backends.fsdp`); not a DTensor that reaches the forward
+  (tensor parallelism);
+- a float16 or bfloat16 matmul: the weight's dtype (for FSDP2, the gathered weight's:
+  ``MixedPrecisionPolicy(param_dtype=...)``), or the autocast dtype of
   ``precision="16-mixed"`` / ``"bf16-mixed"``; without autocast the bias has the weight's dtype;
 - a shape the kernels take. ``torch._sparse_semi_structured_tile`` (the runtime 2:4 projection
   that packs ``W`` and ``W.T``) needs both dimensions to be multiples of 128 in cuSPARSELt
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse.backends.fsdp import GatheredWeight, gathered_weight
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.backends.masked import forward_unsupported
 from lightning_sparse.core.layers import CONV1D, LINEAR
@@ -118,9 +122,9 @@ def semi_structured_kernel(
     reason = forward_unsupported(module, attr, _MATMUL_LAYERS)
     if reason is not None:
         return None, reason
-    if type(weight.data) is not torch.Tensor:
-        kind = type(weight.data).__name__
-        return None, f"a {kind}, not a plain tensor (e.g. sharded by FSDP2)"
+    seen = gathered_weight(weight)
+    if isinstance(seen, str):
+        return None, seen
     capability = target.capability if target else device_capability(weight.device)
     if isinstance(capability, str):
         return None, capability
@@ -129,22 +133,30 @@ def semi_structured_kernel(
             f"compute capability {capability[0]}.{capability[1]}: 2:4 sparse tensor cores "
             f"need 8.0 (Ampere) or newer"
         )
-    dtype = compute_dtype or weight.dtype
+    dtype = compute_dtype or seen.dtype
     if dtype not in HALF_DTYPES:
         return None, (
             f"matmuls in {_name(dtype)}: the 2:4 kernels need float16 or bfloat16 weights "
             f"or autocast (precision='bf16-mixed')"
+            + (
+                ", or FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+                if seen.shards
+                else ""
+            )
         )
     bias = getattr(module, "bias", None)
-    if compute_dtype is None and bias is not None and bias.dtype != dtype:
-        return None, f"bias is {_name(bias.dtype)} but the weight is {_name(dtype)}"
+    if compute_dtype is None and bias is not None:
+        bias_dtype = forward_dtype(bias, None)
+        if bias_dtype != dtype:
+            return None, f"bias is {_name(bias_dtype)} but the weight is {_name(dtype)}"
     arch = f"sm{capability[0]}{capability[1]}, {_name(dtype)}"
+    gathered = f", {seen.describe()}" if seen.shards else ""
     has_cusparselt = target is not None or cusparselt_available()
-    if has_cusparselt and _multiples(weight, CUSPARSELT_MULTIPLE):
-        return "cusparselt", f"cuSPARSELt, {arch}"
+    if has_cusparselt and _multiples(seen, CUSPARSELT_MULTIPLE):
+        return "cusparselt", f"cuSPARSELt, {arch}{gathered}"
     sm8x = capability[0] == 8
-    if sm8x and _multiples(weight, CUTLASS_MULTIPLE):
-        return "cutlass", f"CUTLASS, {arch}"
+    if sm8x and _multiples(seen, CUTLASS_MULTIPLE):
+        return "cutlass", f"CUTLASS, {arch}{gathered}"
     cusparselt = (
         f"cuSPARSELt needs both dimensions multiples of {CUSPARSELT_MULTIPLE}"
         if has_cusparselt
@@ -159,7 +171,22 @@ def semi_structured_kernel(
     return None, f"no 2:4 kernel for shape {rows}x{cols}: {cusparselt}; {cutlass}"
 
 
-def _multiples(weight: Tensor, multiple: int) -> bool:
+def forward_dtype(weight: Tensor, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``weight``'s matmuls run in: ``compute_dtype`` (autocast's) where given,
+    else the weight's own as its forward sees it (for FSDP2, the gathered weight's).
+
+    Example:
+        >>> w = torch.ones(2, 2)
+        >>> forward_dtype(w, torch.bfloat16), forward_dtype(w, None)
+        (torch.bfloat16, torch.float32)
+    """
+    if compute_dtype is not None:
+        return compute_dtype
+    seen = gathered_weight(weight)
+    return weight.dtype if isinstance(seen, str) else seen.dtype
+
+
+def _multiples(weight: GatheredWeight, multiple: int) -> bool:
     return all(size % multiple == 0 for size in weight.shape)
 
 

@@ -187,6 +187,7 @@ class SparseCLI(LightningCLI):
         self._assumed = {
             "precision": precision,
             "world_size": world_size,
+            "sharded": str(strategy).endswith("ModelParallelStrategy"),
             "note": (
                 f"Planned on this machine's CPU; the config's trainer settings are assumed, "
                 f"not built: accelerator={configured['accelerator'] or 'auto'}, "
@@ -312,12 +313,15 @@ def print_plan(
     precision: str | None = None,
     world_size: int | None = None,
     note: str | None = None,
+    sharded: bool | None = None,
 ) -> SchedulePlan:
     """Plan (:func:`~lightning_sparse.cli.plan.plan_schedule`), print it after ``note`` and
-    plot it (see :meth:`SparseTrainer.plan`); ``precision`` and ``world_size`` are the run's
-    when ``trainer`` was built otherwise."""
+    plot it (see :meth:`SparseTrainer.plan`); ``precision``, ``world_size`` and ``sharded``
+    (FSDP2) are the run's when ``trainer`` was built otherwise."""
     target = None if gpu is None else parse_gpu(gpu)
-    plan = plan_schedule(trainer, model, datamodule, target, precision, world_size)
+    plan = plan_schedule(
+        trainer, model, datamodule, target, precision, world_size, sharded
+    )
     if note:
         print(note)
     print(format_plan(plan))

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lightning_sparse.algorithms import RunLength, SparsityAlgorithm
@@ -58,6 +59,7 @@ from lightning_sparse.backends.measured import (
 from lightning_sparse.calibration import example_forward
 from lightning_sparse.callback import SparsityCallback
 from lightning_sparse.cli.flops import FlopSavings, linear_flops_per_token, run_savings
+from lightning_sparse.cli.memory import memory_table
 from lightning_sparse.core.schedule import ResolvedPhase, counts_epochs
 from lightning_sparse.core.selection import Selection
 from lightning_sparse.engine.report import plan_table, text_table
@@ -105,6 +107,10 @@ class SchedulePlan:
     flops: dict[str, int]  #: forward FLOPs per token of each trainable Linear weight
     gpu: GpuTarget | None = None  #: the GPU the backends were predicted for
     precision: str | None = None  #: the precision the backends were chosen for
+    world_size: int = 1  #: the run's processes
+    sharded: bool = (
+        False  #: FSDP2 (``ModelParallelStrategy``) shards the weights over them
+    )
 
     @property
     def run_savings(self) -> float:
@@ -251,6 +257,7 @@ def plan_schedule(
     gpu: GpuTarget | None = None,
     precision: str | None = None,
     world_size: int | None = None,
+    sharded: bool | None = None,
 ) -> SchedulePlan:
     """Build every ``SparsityCallback`` of ``trainer`` for ``model`` as fit start would, without
     training or applying masks (see the module docstring).
@@ -258,8 +265,10 @@ def plan_schedule(
     With ``gpu``, each layer's backend is the one ``fit`` would choose on that GPU (same rules,
     :func:`~lightning_sparse.backends.capability.semi_structured_kernel`): a prediction of
     eligibility, not a measured speed. ``precision`` is the run's precision when the trainer
-    given was built with another one (the command line plans on the CPU), and ``world_size``
-    its number of processes.
+    given was built with another one (the command line plans on the CPU), ``world_size``
+    its number of processes, and ``sharded`` whether FSDP2 shards its weights over them
+    (``None``: whether ``trainer`` runs ``ModelParallelStrategy``), for the memory per rank
+    (:mod:`lightning_sparse.cli.memory`).
 
     Raises:
         ValueError: the trainer has no ``SparsityCallback``, the run has no length, or a
@@ -283,7 +292,10 @@ def plan_schedule(
         groups.append(
             _plan_group(callback, model, run, compute_dtype, others, flops, gpu)
         )
-    return SchedulePlan(run, how, groups, flops, gpu, precision)
+    if sharded is None:
+        sharded = isinstance(trainer.strategy, ModelParallelStrategy)
+    processes = world_size or trainer.world_size
+    return SchedulePlan(run, how, groups, flops, gpu, precision, processes, sharded)
 
 
 def kernel_share(plan: SchedulePlan, group: GroupPlan) -> list[float]:
@@ -343,6 +355,7 @@ def format_plan(plan: SchedulePlan) -> str:
             if plan.gpu is not None and share:
                 lines.append(f"    {_peak_bound(plan.gpu, share)}")
         lines += _speed_lines(plan, group)
+        lines += _memory_lines(plan, group)
         lines.append("")
     lines.append(
         f"Theoretical forward FLOP savings over the run: {plan.run_savings:.1%} of the "
@@ -352,6 +365,31 @@ def format_plan(plan: SchedulePlan) -> str:
         f"lightning_sparse/cli/flops.py."
     )
     return "\n".join(lines)
+
+
+def _memory_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
+    """The group's memory per rank by sparse phase (:mod:`lightning_sparse.cli.memory`),
+    sharded over the run's ranks under FSDP2."""
+    shards = plan.world_size if plan.sharded else 1
+    table = memory_table(group.sparsifier, shards, autocast_dtype(plan.precision))
+    if not table:
+        return []
+    if plan.sharded:
+        how = (
+            f"FSDP2 over {shards} rank(s): each keeps 1/{shards} of every weight and its "
+            f"mask, and each forward multiplies the weight gathered whole"
+        )
+    else:
+        ranks = (
+            f"each of {plan.world_size} ranks" if plan.world_size > 1 else "one device"
+        )
+        how = f"not sharded: whole weights and masks on {ranks}"
+    title = (
+        f"memory per rank for the selected weights, MiB ({how}; until backward: sparse "
+        f"copies of the weights the forward keeps for the backward; the rest of the model, "
+        f"other activations and optimizer state not counted; lightning_sparse/cli/memory.py):"
+    )
+    return _wrap(title, 2) + ["    " + line for line in table]
 
 
 def verify_speed_line(sparsifier: Sparsifier) -> str:

@@ -1,4 +1,5 @@
-"""Any Hugging Face causal LM as a LightningModule: built from a config, or loaded pretrained.
+"""Any Hugging Face causal LM as a LightningModule: built from a config, or loaded pretrained;
+sharded with FSDP2 per block under Lightning's ``ModelParallelStrategy``.
 
 Needs ``transformers`` (``pip install "lightning-sparse[hf]"``). The model is the ``model``
 attribute, so its parameters are named as in ``transformers`` with a ``model.`` prefix (GPT-2:
@@ -26,7 +27,9 @@ import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
 
+from lightning_sparse.demo._checks import check_choice
 from lightning_sparse.demo.compiling import compile_in_place, compile_mode
+from lightning_sparse.demo.fsdp2 import DTYPES, shard_per_block
 from lightning_sparse.demo.optim import (
     adamw_warmup_cosine,
     check_adamw_warmup_cosine,
@@ -51,7 +54,12 @@ class HuggingFaceCausalLM(L.LightningModule):
         min_lr_ratio: the cosine ends at ``lr * min_lr_ratio``.
         compile: ``torch.compile`` the ``transformers`` model in place in ``configure_model``
             (names unchanged): ``False`` (eager), ``True`` (the default mode) or a mode such as
-            ``"reduce-overhead"`` (see :data:`~lightning_sparse.demo.compiling.COMPILE_MODES`).
+            ``"reduce-overhead"`` (see :data:`~lightning_sparse.demo.compiling.COMPILE_MODES`);
+            under FSDP2, each block on its own.
+        param_dtype: under Lightning's ``ModelParallelStrategy`` (FSDP2), the dtype of the
+            weights each block's forward gets (``MixedPrecisionPolicy``; the parameters stay
+            float32 shards), see :func:`~lightning_sparse.demo.fsdp2.shard_per_block`.
+        reduce_dtype: under FSDP2, the dtype gradients are reduce-scattered in.
     """
 
     def __init__(
@@ -65,10 +73,14 @@ class HuggingFaceCausalLM(L.LightningModule):
         warmup_steps: float = 0.05,
         min_lr_ratio: float = 0.1,
         compile: bool | str = False,
+        param_dtype: str = "float32",
+        reduce_dtype: str = "float32",
     ) -> None:
         super().__init__()
         check_adamw_warmup_cosine(lr, weight_decay, warmup_steps, min_lr_ratio)
         compile_mode(compile)
+        check_choice("param_dtype", param_dtype, DTYPES)
+        check_choice("reduce_dtype", reduce_dtype, DTYPES)
         self.save_hyperparameters()
         overrides = dict(config or {})
         if pretrained:
@@ -81,7 +93,16 @@ class HuggingFaceCausalLM(L.LightningModule):
             )
 
     def configure_model(self) -> None:
-        compile_in_place(compile_mode(self.hparams.compile), self.model)
+        """Under ``ModelParallelStrategy``: FSDP2 per block, then each block compiled;
+        otherwise the whole model compiled (with ``compile``)."""
+        hp = self.hparams
+        mode = compile_mode(hp.compile)
+        if self.device_mesh is None:
+            compile_in_place(mode, self.model)
+            return
+        mesh = self.device_mesh["data_parallel"]
+        blocks = shard_per_block(self.model, mesh, hp.param_dtype, hp.reduce_dtype)
+        compile_in_place(mode, *blocks)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(input_ids=x).logits  # (B, T, vocab)

@@ -56,6 +56,7 @@ from lightning_sparse.core.layers import LayerType
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
 from lightning_sparse.engine.feasibility import check_phase
+from lightning_sparse.engine.sharding import is_sharded
 
 
 class LayerForwards:
@@ -131,7 +132,9 @@ class LayerForwards:
                     # a kernel forward would never run; the stored zeros are read
                     choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
                 self.choices[phase.index, t.name] = choice
-        if speedup is not None:
+        # every rank checks its own GPU (and with verify_speed times it): under FSDP2 the
+        # ranks run each layer's gathered weight alike, so they agree on one backend
+        if speedup is not None or any(is_sharded(t.param) for t in targets):
             agree_across_ranks(self.choices)
         if backend == "semi_structured":
             require_semi_structured(
@@ -274,10 +277,11 @@ class Projection:
 
 def agree_across_ranks(choices: dict[tuple[int, str], BackendChoice]) -> None:
     """In a distributed run, keep a layer on its 2:4 kernel only where every rank chose it:
-    ``verify_speed``'s timings differ a little from rank to rank, and one rank finding a shape
-    slower must not leave the ranks running different kernels. A collective: in a distributed
-    run every rank must call it, with the same keys (the callback builds the same engine on
-    every rank at fit start)."""
+    ``verify_speed``'s timings differ a little from rank to rank, each rank's kernel check
+    ran on its own GPU, and one rank finding a shape slower (or its kernel wrong) must not
+    leave the ranks running different kernels. Called with ``verify_speed``, and for
+    FSDP2-sharded parameters. A collective: in a distributed run every rank must call it,
+    with the same keys (the callback builds the same engine on every rank at fit start)."""
     if (
         not (dist.is_available() and dist.is_initialized())
         or dist.get_world_size() == 1

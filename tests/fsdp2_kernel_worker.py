@@ -1,0 +1,370 @@
+"""One rank of the FSDP2 2:4 kernel job (started by ``tests/multiprocess.py``).
+
+The cuSPARSELt path runs on the CPU: a pretend sm90 GPU for the capability rules, the custom
+ops of :mod:`lightning_sparse.backends.cusparselt` as they are, and for cuSPARSELt's matmul a
+dense stand-in that unpacks the bytes it is given (``helpers.dense_cusparselt``), so what was
+packed is what is multiplied. Each run of ``runs`` trains the same 2-block model under DDP or
+FSDP2 (Lightning's ``ModelParallelStrategy``, ``fully_shard`` on each block, then the root;
+with a bf16 ``MixedPrecisionPolicy`` or under autocast), eagerly or compiled per block, and
+records per optimizer step: the loss, a hash of the whole weights, of the masks and of the
+exported state dict, the 2:4 matmuls by layer (forward and input gradient) and how their
+weights were packed, the graphs compiled so far, and whether each layer's stored-mask
+packing holds its current whole mask. A run with ``resume`` writes a checkpoint (a
+distributed one under FSDP2) and resumes from it. Three
+small checks without Lightning follow (:func:`speed_shapes`, :func:`agreed_kernel_checks`,
+:func:`tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from distributed_worker import (
+    RankBatches,
+    RankRNG,
+    job_trainer,
+    step_checkpoints,
+    tensor_hash,
+)
+from helpers import dense_cusparselt, pretend_gpu
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader
+
+from lightning_sparse import SparsityCallback, export_state_dict
+from lightning_sparse.algorithms import build_algorithm
+from lightning_sparse.backends import cusparselt, kernel_check, speed
+from lightning_sparse.backends import semi_structured as ss
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.forwards import LayerForwards
+from lightning_sparse.engine.sharding import gather_full, is_sharded
+
+INPUTS, HIDDEN, OUTPUTS = 128, 384, 256
+LLAMA_DEMO = "llama_1b_fsdp2_cpu_demo.yaml"
+
+
+class Block(nn.Module):
+    """One Linear and its activation: the unit FSDP2 shards and ``torch.compile`` compiles."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(inputs, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class BlockModule(L.LightningModule):
+    """Two blocks and a dense head, sharded (``fsdp2``) and compiled per block (by
+    ``compiler``) as ``run`` says, in ``configure_model`` as LLM training scripts do."""
+
+    def __init__(self, run: dict[str, Any], compiler: Any = "aot_eager") -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(INPUTS, HIDDEN), Block(HIDDEN, OUTPUTS))
+        self.head = nn.Linear(OUTPUTS, 4)
+        self.run, self.compiler = run, compiler
+
+    def configure_model(self) -> None:
+        if self.run["strategy"] == "fsdp2":
+            mesh = self.device_mesh["data_parallel"]
+            policy = (
+                MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                )
+                if self.run.get("mixed_precision_policy")
+                else MixedPrecisionPolicy()
+            )
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(self, mesh=mesh, mp_policy=policy)
+        if self.run.get("compile"):
+            for block in self.blocks:
+                block.compile(backend=self.compiler)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        # float32 loss whichever dtype the forward ran in
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
+class KernelCalls:
+    """The 2:4 matmuls (cuSPARSELt's, on the stand-in) of each optimizer step, by the shape
+    ``"<out>x<in>"`` of the weight they multiply by (``W`` in a forward, ``W.T`` in an input
+    gradient: the whole weight's, not a shard's), the dtypes they ran in, and the graphs
+    compiled by then; the kernel check's own matmuls at fit start are not counted."""
+
+    def __init__(self, patch: pytest.MonkeyPatch) -> None:
+        self.step: int | None = None
+        self.calls: dict[int, Counter] = {}
+        self.dtypes: set[str] = set()
+        self.compiles = 0
+        matmul = cusparselt._sparse_mm
+
+        def recorded(packed, out_features, dense, bias):
+            if self.step is not None:
+                shape = f"{out_features}x{dense.shape[1]}"
+                self.calls.setdefault(self.step, Counter())[shape] += 1
+                self.dtypes.add(str(dense.dtype))
+            return matmul(packed, out_features, dense, bias)
+
+        patch.setattr(cusparselt, "_sparse_mm", recorded)
+
+    def backend(self, gm: Any, example_inputs: Any) -> Any:
+        """``aot_eager``, counting the graphs it compiles."""
+        self.compiles += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+class StepRecord(L.Callback):
+    """Placed after the SparsityCallback: what each optimizer step left (see the module
+    docstring), on this rank."""
+
+    def __init__(self, kernel: KernelCalls) -> None:
+        self.kernel = kernel
+        self.sparsity: SparsityCallback | None = None
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.choices: dict[str, list[str]] = {}
+        self.checked: list[list[str]] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        (self.sparsity,) = [
+            cb for cb in trainer.callbacks if isinstance(cb, SparsityCallback)
+        ]
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.choices = {
+            f"{index} {name}": [choice.name, choice.reason]
+            for (index, name), choice in self.sparsity.sparsifier.backends.items()
+        }
+        # the (kernel, dtype) pairs the kernel check ran for at fit start
+        self.checked = sorted(
+            [kernel, str(dtype)] for kernel, dtype, _ in kernel_check._VERDICTS
+        )
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.kernel.step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step - 1  # the step just taken
+        self.kernel.step = None
+        sp = self.sparsity.sparsifier
+        weights = {n: gather_full(p.detach()) for n, p in pl_module.named_parameters()}
+        masks = sp.state_dict()["masks"]  # whole masks (gathered when sharded)
+        self.steps[step] = {
+            "loss": float(outputs["loss"]).hex(),
+            "weights": {n: tensor_hash(w) for n, w in sorted(weights.items())},
+            "masks": {k: tensor_hash(m) for k, m in sorted(masks.items())},
+            "export": {
+                k: tensor_hash(v) for k, v in export_state_dict(trainer).items()
+            },
+            "calls": dict(self.kernel.calls.get(step, {})),
+            "compiles": self.kernel.compiles,
+            "packing": packings(sp),
+            "sharded": [
+                is_sharded(t.param) and is_sharded(sp.masks.get(t.name))
+                for t in sp.targets
+            ],
+            "param_dtypes": sorted({str(t.param.dtype) for t in sp.targets}),
+        }
+
+
+def packings(sp) -> dict[str, bool]:
+    """For each layer with a stored mask on cuSPARSELt: whether the packing its forward
+    reads holds the current whole mask (refreshed on this rank after each update)."""
+    found = {}
+    for t in sp.targets:
+        packing = t.module.__dict__.get("_ls_packing")
+        if packing is not None:
+            whole = gather_full(sp.masks[t.name])
+            found[t.name] = bool(torch.equal(packing.mask, whole))
+    return found
+
+
+def fit(
+    cfg: dict[str, Any],
+    run: dict[str, Any],
+    out: Path,
+    kernel: KernelCalls,
+    ckpt_path: str | None = None,
+) -> dict[str, Any]:
+    rank = int(os.environ["LOCAL_RANK"])
+    strategy_name = run["strategy"]
+    kernel.calls, kernel.dtypes, kernel.compiles = {}, set(), 0
+    kernel_check.forget_verdicts()  # as a new process: each fit checks again
+    torch._dynamo.reset()
+    L.seed_everything(cfg["seed"])
+    model = BlockModule(run, kernel.backend)
+    strategy: Any = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if strategy_name == "fsdp2"
+        else "ddp"
+    )
+    # FSDP2's MixedPrecisionPolicy casts the gathered weights; its DDP counterpart autocasts
+    mixed = run.get("mixed_precision_policy") and strategy_name == "fsdp2"
+    precision = "32-true" if mixed else "bf16-mixed"
+    sparsity = SparsityCallback(
+        phases=cfg["phases"], params=["blocks.*.fc.weight"], verbose=False
+    )
+    record = StepRecord(kernel)
+    callbacks: list[L.Callback] = [RankRNG(), sparsity, record]
+    if run.get("resume"):
+        callbacks.append(step_checkpoints(out, cfg["checkpoint_step"]))
+    trainer = job_trainer(
+        strategy,
+        cfg["max_steps"],
+        callbacks,
+        precision=precision,
+        enable_checkpointing=bool(run.get("resume")),
+    )
+    data = DataLoader(RankBatches(rank, inputs=INPUTS), batch_size=8)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return {
+        "steps": record.steps,
+        "choices": record.choices,
+        "checked": record.checked,
+        "kernel_dtypes": sorted(kernel.dtypes),
+    }
+
+
+def sharded_layer(**options: Any) -> tuple[list[Any], LayerForwards]:
+    """A Linear sharded by FSDP2 (bf16 ``MixedPrecisionPolicy``) and the backends the engine
+    chooses for it in a runtime 2:4 phase, with ``options`` (e.g. ``verify_speed``)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(INPUTS, HIDDEN))
+    fully_shard(net[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    targets = select_parameters(net, params=["0.weight"]).targets
+    phases = resolve_phases([Phase(sparsity="2:4")], 10)
+    algorithms = {0: build_algorithm(phases[0])}
+    return targets, LayerForwards("layer", targets, phases, algorithms, **options)
+
+
+def speed_shapes() -> dict[str, Any]:
+    """``verify_speed`` on a layer sharded by FSDP2 times the whole shape, not the shard."""
+    timed = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            speed,
+            "measure_speedup",
+            lambda shape, dtype, *args, **kw: (
+                timed.append([*shape, str(dtype)]) or speed.SpeedMeasurement(1.2, 0.0)
+            ),
+        )
+        targets, forwards = sharded_layer(verify_speed=True)
+    choice = forwards.choices[0, "0.weight"]
+    local = list(targets[0].param.to_local().shape)
+    return {"timed": timed, "local": local, "choice": [choice.name, choice.reason]}
+
+
+def agreed_kernel_checks() -> dict[str, Any]:
+    """The kernel check passes on rank 0 and fails on rank 1 (a scrambled kernel there): both
+    ranks run the FSDP2-sharded layer with masked math, and say why."""
+    rank = int(os.environ["LOCAL_RANK"])
+    kernel_check.forget_verdicts()
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            right = ss.KERNELS["cusparselt"]
+            patch.setitem(
+                ss.KERNELS,
+                "cusparselt",
+                lambda x, w, b, mask, packing: right(x, w.flip(1), b, mask, packing),
+            )
+        with pytest.warns(RuntimeWarning) if rank == 1 else contextlib.nullcontext():
+            _, forwards = sharded_layer()
+    kernel_check.forget_verdicts()
+    choice = forwards.choices[0, "0.weight"]
+    return {"name": choice.name, "reason": choice.reason}
+
+
+def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
+    """The Llama FSDP2 CPU demo recipe through the command line for 3 steps (2 on 2:4): its
+    MLPs choose the kernel and run it, per step, on the weights FSDP2 gathers."""
+    from lightning_sparse.cli.main import SparseCLI
+
+    kernel.calls, kernel.dtypes = {}, set()
+    record = StepRecord(kernel)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf" / LLAMA_DEMO
+    cli = SparseCLI(
+        args=[
+            "fit",
+            f"--config={recipe}",
+            "--trainer.max_steps=3",
+            "--trainer.limit_val_batches=0",
+            f"--trainer.default_root_dir={out}",
+        ],
+        trainer_defaults={"callbacks": [record]},
+    )
+    return {
+        "choices": record.choices,
+        "calls": {step: record.steps[step]["calls"] for step in record.steps},
+        "kernel_dtypes": sorted(kernel.dtypes),
+        "loss": float(cli.trainer.callback_metrics["train/loss"]),
+    }
+
+
+def tensor_parallel() -> str:
+    """A weight sharded as a DTensor without FSDP2 (as tensor parallelism does): its
+    forward would multiply a DTensor, which the 2:4 kernels do not take."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_sparse.backends.capability import semi_structured_kernel
+
+    mesh = init_device_mesh("cpu", (2,))
+    layer = nn.Linear(INPUTS, HIDDEN)
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight, mesh, [Shard(0)]))
+    kernel, why = semi_structured_kernel(
+        layer.weight, [("fc", layer, "weight")], torch.bfloat16
+    )
+    assert kernel is None
+    return why
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    out = Path(cfg["out"])
+    report: dict[str, Any] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        pretend_gpu(patch, (9, 0))
+        dense_cusparselt(patch)
+        patch.setattr(ss, "kernel_runs", lambda weight, dtype: True)
+        kernel = KernelCalls(patch)
+        for name, run in cfg["runs"].items():
+            where = out / name.replace(" ", "_")
+            report[name] = fit(cfg, run, where, kernel)
+            if run.get("resume"):
+                ckpt = where / "ckpt" / f"step={cfg['checkpoint_step']}.ckpt"
+                report[name]["checkpoint_is_a_directory"] = ckpt.is_dir()
+                report[f"{name} resumed"] = fit(
+                    cfg, run, where / "resumed", kernel, str(ckpt)
+                )
+        report["llama_demo"] = llama_demo(out / "llama_demo", kernel)
+        report["speed_shapes"] = speed_shapes()
+        report["agreed_kernel_checks"] = agreed_kernel_checks()
+        report["tensor_parallel"] = tensor_parallel()
+    rank = int(os.environ["LOCAL_RANK"])
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
+    # end without the interpreter's shutdown, as tests/distributed_worker.py explains
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,121 @@
+"""``plan`` for the Llama FSDP2 recipe: every MLP on a 2:4 kernel on an H100, the per-shape
+estimate, and the memory per rank for weights, masks and packing, phase by phase."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import pretend_gpu, speed_rows
+from torch import nn
+
+from lightning_sparse.cli.main import SparseCLI
+from lightning_sparse.cli.memory import PACKING_BYTES, phase_memory
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.engine.sparsifier import Sparsifier
+
+RECIPE = (
+    Path(__file__).resolve().parents[1]
+    / "recipes"
+    / "hf"
+    / "llama_1b_fsdp2_24_70pct.yaml"
+)
+MLP = 16 * 3 * 2048 * 8192  # the selected weights: 3 MLP matrices in each of 16 blocks
+MIB = 2**20
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def plan(capsys, *extra: str) -> str:
+    """``lightning-sparse plan`` of the recipe for an H100, the model on the meta device."""
+    with pytest.MonkeyPatch.context() as patch, torch.device("meta"):
+        patch.setattr(sys, "argv", ["lightning-sparse"])
+        SparseCLI(
+            args=["plan", f"--config={RECIPE}", "--gpu=h100", "--plot=false", *extra]
+        )
+    return capsys.readouterr().out
+
+
+def memory_rows(out: str) -> dict[str, list[str]]:
+    """The memory table's rows by phase: weights, masks, whole masks, packing, total, until
+    backward, at a mask choice."""
+    table = out.split("memory per rank", 1)[1]
+    rows = (re.split(r"\s{2,}", line.strip()) for line in table.splitlines())
+    return {
+        cells[0]: cells[1:] for cells in rows if re.fullmatch(r"phase \d+", cells[0])
+    }
+
+
+def test_fsdp2_kernel_plan_of_the_llama_recipe_on_8_h100s(capsys):
+    out = plan(capsys)
+    assert "strategy=lightning.pytorch.strategies.ModelParallelStrategy" in out
+    mlp = [line for line in out.splitlines() if ".mlp." in line and "x" in line]
+    kernel = [line for line in mlp if "semi_structured" in line]
+    assert len(kernel) == 48  # every MLP weight, predicted on cuSPARSELt in bfloat16
+    assert all(line.endswith("cuSPARSELt, sm90, bfloat16") for line in kernel)
+    assert "timed at fit start, eagerly, at 16384 tokens" in out
+    # the per-shape estimate: no measured ratio at these shapes, so the peak-rate bounds
+    rows = speed_rows(out)
+    assert rows["2048->8192"] == ["32", "-", "<= 2.0x (peak)", "<= 2.0x (peak)"] + [
+        "<= 1.50x (peak)"
+    ]
+    assert rows["8192->2048"][0] == "16"
+    # float32 weights and bool masks sharded over 8 ranks; runtime keeps no whole mask and
+    # no packing; choosing the masks at the phase start gathers every weight and mask
+    assert "FSDP2 over 8 rank(s)" in out
+    weights, masks = MLP * 4 / 8 / MIB, MLP / 8 / MIB
+    assert memory_rows(out) == {
+        "phase 1": [
+            f"{weights:.1f}",
+            f"{masks:.1f}",
+            "0.0",
+            "0.0",
+            f"{weights + masks:.1f}",
+            f"+{MLP * 2 / MIB:.1f}",  # the pruned bf16 copies, whole, until the backward
+            f"+{MLP * 5 / MIB:.1f} (transient)",
+        ]
+    }
+
+
+def test_fsdp2_kernel_plan_shards_over_the_devices_given(capsys):
+    out = plan(capsys, "--trainer.devices=4")
+    assert "FSDP2 over 4 rank(s)" in out
+    assert memory_rows(out)["phase 1"][:2] == [
+        f"{MLP * 4 / 4 / MIB:.1f}",
+        f"{MLP / 4 / MIB:.1f}",
+    ]
+
+
+@pytest.mark.parametrize("shards", [1, 8])
+def test_fsdp2_kernel_memory_of_stored_masks_on_the_kernel(monkeypatch, shards):
+    """A ``magnitude`` phase on cuSPARSELt keeps each layer's packing whole on every rank,
+    and under FSDP2 also its whole mask (the forward runs on the gathered weight)."""
+    pretend_gpu(monkeypatch, (9, 0))
+    net = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    phases = resolve_phases(
+        [Phase(sparsity="2:4", algorithm="magnitude", until=50), Phase(sparsity=0.0)],
+        100,
+    )
+    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+    sp = Sparsifier("g", targets, phases, compute_dtype=torch.bfloat16)
+    assert {c.kernel for c in sp.backends.values()} == {"cusparselt"}
+    numel = 2 * 1024 * 4096
+    (memory,) = phase_memory(sp, shards)
+    assert memory.weights == numel * 4 // shards
+    assert memory.masks == numel // shards
+    assert memory.whole_masks == (numel if shards > 1 else 0)
+    assert memory.packing == numel * PACKING_BYTES
+    assert memory.until_backward == 0  # the stored-mask ops multiply the weight itself
+    assert memory.at_mask_choice == (numel * 5 if shards > 1 else 0)
+
+
+def test_the_hf_module_names_a_bad_fsdp2_dtype():
+    pytest.importorskip("transformers")
+    from lightning_sparse.demo.hf import HuggingFaceCausalLM
+
+    with pytest.raises(ValueError, match="param_dtype='bf16' is invalid"):
+        HuggingFaceCausalLM("llama", param_dtype="bf16")
