@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -44,7 +45,9 @@ class SparsityCallback(Callback):
     """Train with weight sparsity on a schedule of phases.
 
     Args:
-        sparsity: shorthand for one phase over the whole run: a float in [0, 1) or ``"N:M"``.
+        sparsity: shorthand for one phase over the whole run: a float in [0, 1) or ``"N:M"``,
+            with that phase's other keys as keyword arguments (``**phase_options``), e.g.
+            ``SparsityCallback(sparsity=0.9, algorithm="gmp", update_every=10)``.
         phases: a list of phases (dicts as in YAML, or :class:`~lightning_sparse.Phase`), e.g.
             ``[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}]``. Give ``sparsity`` or
             ``phases``, not both.
@@ -79,6 +82,10 @@ class SparsityCallback(Callback):
             other way, which would train it dense while the logs say sparse). ``True`` logs
             those layers instead, for models that skip layers on purpose (layer drop, routed
             experts, branches taken only for some inputs).
+        **phase_options: with ``sparsity=``, the keys of its one phase (those of
+            :class:`~lightning_sparse.Phase`: ``algorithm``, ``update_every``, ``init``,
+            ``seed``, ``ramp``, ``until``...); with ``phases=``, an error (give them inside each
+            phase).
 
     Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
     Masks, the phase, the last update step and the schedule are saved in checkpoints and
@@ -112,6 +119,7 @@ class SparsityCallback(Callback):
         verify_speed: bool | str = False,
         on_schedule_change: str = "error",
         allow_skipped_layers: bool = False,
+        **phase_options: Any,
     ) -> None:
         if (sparsity is None) == (phases is None):
             raise ValueError(
@@ -119,8 +127,16 @@ class SparsityCallback(Callback):
                 "e.g. sparsity=0.7) or phases= (e.g. phases=[{'sparsity': '2:4', 'until': 0.7}, "
                 f"{{'sparsity': 0.0}}]); got sparsity={sparsity!r}, phases={phases!r}"
             )
+        # LightningCLI passes every phase key, the unset ones at their defaults
+        phase_options = {
+            key: value
+            for key, value in phase_options.items()
+            if key not in _PHASE_DEFAULTS or value != _PHASE_DEFAULTS[key]
+        }
+        check_phase_options(phase_options, sparsity is not None)
         if phases is None:
-            phases = [{"sparsity": sparsity}]
+            # a call of Phase itself, so that LightningCLI knows the options' types
+            phases = [Phase(sparsity=sparsity, **phase_options)]
         if not isinstance(phases, Sequence) or isinstance(phases, str):
             raise TypeError(
                 f"phases={phases!r}: give a list of phases, e.g. [{{'sparsity': 0.7}}]"
@@ -449,6 +465,42 @@ class SparsityCallback(Callback):
         self.flips.load_state_dict(state_dict.get("flip_rate"), f"[{self.name}]")
         self._pending_state = dict(state_dict)
         self._active = False
+
+
+PHASE_OPTIONS = tuple(f.name for f in fields(Phase) if f.name != "sparsity")
+"""The keys of a phase that ``SparsityCallback`` accepts beside ``sparsity=``."""
+_PHASE_DEFAULTS = {
+    f.name: f.default if f.default is not MISSING else f.default_factory()
+    for f in fields(Phase)
+    if f.name != "sparsity"
+}
+
+
+def check_phase_options(options: Mapping[str, Any], one_phase: bool) -> None:
+    """Refuse ``SparsityCallback`` keyword ``options`` that are not a phase's keys, or that
+    come with ``phases=`` (``one_phase`` is ``False``), naming the fix.
+
+    Example:
+        >>> check_phase_options({"algorithm": "gmp"}, one_phase=False)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: algorithm='gmp' is a key of one phase: with phases=, give it inside ...
+    """
+    unknown = sorted(set(options) - set(PHASE_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"SparsityCallback got unknown argument(s) {unknown}: beside its own arguments it "
+            f"takes a phase's keys along with sparsity= ({', '.join(PHASE_OPTIONS)})"
+        )
+    if options and not one_phase:
+        given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        example = ", ".join(f"{k!r}: {v!r}" for k, v in options.items())
+        raise ValueError(
+            f"{given} {'is a key' if len(options) == 1 else 'are keys'} of one phase: with "
+            f"phases=, give {'it' if len(options) == 1 else 'them'} inside each phase that "
+            f"uses {'it' if len(options) == 1 else 'them'} (phases=[{{'sparsity': 0.9, "
+            f"{example}}}, ...]), or give sparsity= instead of phases= for one phase"
+        )
 
 
 def check_distinct_names(callbacks: Sequence[Callback]) -> None:
