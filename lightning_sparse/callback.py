@@ -249,6 +249,8 @@ class SparsityCallback(Callback):
             calibration_forwards=TrainLoaderForwards(trainer),
             example_forward=example_forward(pl_module, trainer),
         )
+        for warning in self.sparsifier.schedule_warnings():
+            rank_zero_warn(warning)
         if self.verify_speed == CUDA_GRAPHS and not compiled_with_cuda_graphs(
             pl_module
         ):

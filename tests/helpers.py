@@ -19,6 +19,13 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import ParamTarget, select_parameters
 from lightning_sparse.engine.forwards import LayerForwards
 
+FEW_UPDATES = pytest.mark.filterwarnings(
+    r"ignore:\[\w+\] phase \d+ \(.*\). (its ramp|\w+ has (one|no) mask update)"
+)
+"""Leaves out the warning of a ``gmp``, ``set`` or ``rigl`` phase with too few mask updates for
+its length (``tests/test_few_updates.py`` checks it): a test's few steps give phases few updates
+on purpose."""
+
 
 class TinyNet(nn.Module):
     """Two hidden Linear layers (sparsified by default) and an output head (left dense)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import Classifier, TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, Classifier, TinyModule, fast_trainer, random_loader
 from lightning.pytorch.cli import LightningCLI
 from test_models import tiny_torchvision_vit
 from torch import nn
@@ -36,7 +36,7 @@ SMALL_VIT = [
     "--data.init_args.image_size=16",
 ]
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), FEW_UPDATES]
 
 
 @pytest.fixture(autouse=True)

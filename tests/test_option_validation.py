@@ -5,12 +5,14 @@ message names the offending key; nothing else escapes (a property-based test).""
 import math
 
 import pytest
-from helpers import TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, TinyModule, fast_trainer, random_loader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_sparse import SparsityCallback
+
+pytestmark = FEW_UPDATES
 
 SETTINGS = settings(
     max_examples=250,

@@ -310,6 +310,8 @@ def format_plan(plan: SchedulePlan) -> str:
     for group in plan.groups:
         sp = group.sparsifier
         lines.append(plan_table(sp, group.selection))
+        for warning in sp.schedule_warnings():
+            lines += _wrap(f"Warning: {warning}", 2)
         lines.append("")
         lines.append(
             "  per-layer sparsity at the end of each phase, and forward MFLOP per token:"
