@@ -81,6 +81,15 @@ class TinyModule(L.LightningModule):
         )
 
 
+class ReadsItsWeights(TinyModule):
+    """A module whose ``__init__`` reads a value of its weights, which a model built on the
+    meta device has not got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = float(self.net.fc1.weight.abs().max())
+
+
 class Classifier(L.LightningModule):
     """Cross-entropy on ``(input, label)`` batches for any network ``net``; ``example`` becomes
     its ``example_input_array``."""

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -133,11 +134,15 @@ class SparseCLI(LightningCLI):
             sys.exit(f"lightning-sparse: {_explain_parse_error(err, args)}")
 
     def instantiate_classes(self) -> None:
-        """Build the config's objects (for ``plan``: on this CPU, see :meth:`_plan_here`); a
-        configuration error ends with its message instead of a traceback."""
+        """Build the config's objects (for ``plan``: on this CPU, see :meth:`_plan_here`, and
+        on the meta device, see :meth:`_instantiate_on_meta`); a configuration error ends with
+        its message instead of a traceback."""
         without_data = self.subcommand == "plan" and self._plan_here()
         try:
-            super().instantiate_classes()
+            if self.subcommand == "plan":
+                self._instantiate_on_meta()
+            else:
+                super().instantiate_classes()
         except (ValueError, TypeError, FileNotFoundError) as err:
             explain = (
                 _plan_error(err, self._epoch_boundaries)
@@ -147,6 +152,27 @@ class SparseCLI(LightningCLI):
             sys.exit(f"lightning-sparse {self.subcommand}: {explain}")
         if without_data:
             self.datamodule = None
+
+    def _instantiate_on_meta(self) -> None:
+        """Build ``plan``'s objects with tensors on the meta device: shapes, dtypes and the
+        modules' structure, which is all a plan reads, without allocating or initialising a
+        weight, so a model of any size plans in seconds and little memory. A model whose
+        ``__init__`` needs real values (it reads a weight back) is built again, for real,
+        and the plan says so."""
+        try:
+            with torch.device("meta"):
+                super().instantiate_classes()
+            built = "on the meta device (shapes and dtypes, no weights)"
+        except (NotImplementedError, RuntimeError, ValueError) as err:
+            # jsonargparse reports what a class raised as a ValueError caused by it
+            if not isinstance(_root(err), (NotImplementedError, RuntimeError)):
+                raise
+            super().instantiate_classes()
+            built = (
+                f"with its weights: its __init__ cannot run on the meta device "
+                f"({_root(err)})"
+            )
+        self._assumed["note"] += f" The model was built {built}."
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """Build the trainer once its callbacks are checked: two ``SparsityCallback`` of one
@@ -346,12 +372,17 @@ def _world_size(devices: Any, num_nodes: Any) -> int:
     return count * (num_nodes if isinstance(num_nodes, int) and num_nodes > 0 else 1)
 
 
-def _innermost(err: BaseException) -> str:
-    """The message of the error that caused ``err`` (jsonargparse wraps the one a class
-    raised while being built)."""
+def _root(err: BaseException) -> BaseException:
+    """The error that caused ``err`` (jsonargparse wraps the one a class raised while being
+    built)."""
     while err.__cause__ is not None:
         err = err.__cause__
-    return str(err)
+    return err
+
+
+def _innermost(err: BaseException) -> str:
+    """The message of the error that caused ``err`` (see :func:`_root`)."""
+    return str(_root(err))
 
 
 def _explain_parse_error(err: ArgumentError, args: ArgsType) -> str:
