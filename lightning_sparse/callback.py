@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_sparse import rng_state
 from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
@@ -82,6 +83,14 @@ class SparsityCallback(Callback):
             other way, which would train it dense while the logs say sparse). ``True`` logs
             those layers instead, for models that skip layers on purpose (layer drop, routed
             experts, branches taken only for some inputs).
+        restore_rng: also save the global random number generators' states in checkpoints
+            (torch's CPU and CUDA generators, NumPy's, Python's ``random``; every process's)
+            and set them back when ``fit(ckpt_path=...)`` starts, so that dropout and a
+            shuffled loader's order go on as in the uninterrupted run: a resume from a
+            checkpoint written at the end of an epoch is then bit for bit the uninterrupted
+            run. Off by default, as it sets the generators of the whole process; a resume in
+            the middle of an epoch also depends on the loader (Lightning restarts a plain
+            ``DataLoader``'s epoch).
         **phase_options: with ``sparsity=``, the keys of its one phase (those of
             :class:`~lightning_sparse.Phase`: ``algorithm``, ``update_every``, ``init``,
             ``seed``, ``ramp``, ``until``...); with ``phases=``, an error (give them inside each
@@ -89,7 +98,8 @@ class SparsityCallback(Callback):
 
     Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
     Masks, the phase, the last update step and the schedule are saved in checkpoints and
-    restored on ``fit(ckpt_path=...)``; the model's own ``state_dict`` keys never change.
+    restored on ``fit(ckpt_path=...)`` (the global random number generators too with
+    ``restore_rng=True``); the model's own ``state_dict`` keys never change.
 
     One callback may fit several models, one after another: each keeps what its fit left it
     with (a straight-through layer its masked forward). A second ``fit`` of one model with a
@@ -119,6 +129,7 @@ class SparsityCallback(Callback):
         verify_speed: bool | str = False,
         on_schedule_change: str = "error",
         allow_skipped_layers: bool = False,
+        restore_rng: bool = False,
         **phase_options: Any,
     ) -> None:
         if (sparsity is None) == (phases is None):
@@ -179,6 +190,15 @@ class SparsityCallback(Callback):
                 f"not run in the first sparse step is logged) or False (an error, the default)"
             )
         self.allow_skipped_layers = allow_skipped_layers
+        if not isinstance(restore_rng, bool):
+            raise TypeError(
+                f"restore_rng={restore_rng!r}: use True (checkpoints hold every process's "
+                f"random number generator states, restored when training resumes) or False"
+            )
+        self.restore_rng = restore_rng
+        self._pending_rng: Any = (
+            None  # a checkpoint's generator states, until training starts
+        )
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -234,6 +254,14 @@ class SparsityCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
+        states, self._pending_rng = self._pending_rng, None
+        if states is not None:
+            # before the train loader's first iterator draws from the generators (the run
+            # length below may load it; Lightning isolates the sanity check's draws)
+            where = f"[{self.name}]"
+            rng_state.restore_rank(
+                states, trainer.global_rank, trainer.world_size, where
+            )
         others = [
             (cb.name, cb.selection)
             for cb in trainer.callbacks
@@ -454,7 +482,10 @@ class SparsityCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.sparsifier is None or not self._active:
             return dict(self._pending_state or {})
-        return {**self.sparsifier.state_dict(), "flip_rate": self.flips.state_dict()}
+        state = {**self.sparsifier.state_dict(), "flip_rate": self.flips.state_dict()}
+        if self.restore_rng:
+            state["rng"] = rng_state.capture_ranks()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # the rest is checked when the masks are restored, once the targets are known
@@ -467,6 +498,14 @@ class SparsityCallback(Callback):
         self.flips.load_state_dict(state_dict.get("flip_rate"), f"[{self.name}]")
         self._pending_state = dict(state_dict)
         self._active = False
+        if self.restore_rng:
+            self._pending_rng = state_dict.get("rng")
+            if self._pending_rng is None:
+                rank_zero_warn(
+                    f"[{self.name}] restore_rng=True, but the checkpoint holds no random "
+                    f"number generator states (it was written with restore_rng=False): "
+                    f"dropout and data order follow this run's generators from here"
+                )
 
 
 PHASE_OPTIONS = tuple(f.name for f in fields(Phase) if f.name != "sparsity")

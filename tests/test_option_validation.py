@@ -184,6 +184,7 @@ CALLBACK_ARGS = {
     "verbose": ANY,
     "verify_speed": ANY,
     "allow_skipped_layers": ANY,
+    "restore_rng": ANY,
 }
 
 
