@@ -90,6 +90,30 @@ class ReadsItsWeights(TinyModule):
         self.largest = float(self.net.fc1.weight.abs().max())
 
 
+class WithDropout(TinyModule):
+    """:class:`TinyModule` with dropout after both hidden layers."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net = self.net
+        hidden = self.drop(torch.relu(net.fc1(x)))
+        return net.head(self.drop(torch.relu(net.fc2(hidden))))
+
+
+class StopAfterEpoch(L.Callback):
+    """Ends the run after epoch ``epoch`` (counted from 0), as a job that runs out of time."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.should_stop = True
+
+
 class Classifier(L.LightningModule):
     """Cross-entropy on ``(input, label)`` batches for any network ``net``; ``example`` becomes
     its ``example_input_array``."""

@@ -6,27 +6,13 @@ are checked before they are set."""
 import lightning as L
 import pytest
 import torch
-from helpers import TinyModule, fast_trainer
+from helpers import StopAfterEpoch, WithDropout, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sparse import SparsityCallback, export_state_dict, rng_state
 
 EPOCHS = 4  # of 4 batches: rigl updates at steps 2, 4, ... 12
-
-
-class WithDropout(TinyModule):
-    """:class:`TinyModule` with dropout after both hidden layers."""
-
-    def __init__(self) -> None:
-        super().__init__(lr=0.05)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        net = self.net
-        hidden = self.drop(torch.relu(net.fc1(x)))
-        return net.head(self.drop(torch.relu(net.fc2(hidden))))
 
 
 def data(shuffle: bool) -> DataLoader:
@@ -36,15 +22,6 @@ def data(shuffle: bool) -> DataLoader:
         torch.randn(24, 8, generator=gen), torch.randn(24, 4, generator=gen)
     )
     return DataLoader(samples, batch_size=6, shuffle=shuffle)
-
-
-class StopAfterEpoch(L.Callback):
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def on_train_epoch_end(self, trainer: L.Trainer, *args) -> None:
-        if trainer.current_epoch == self.epoch:
-            trainer.should_stop = True
 
 
 def fit(tmp_path, restore_rng, validate, stop=None, ckpt_path=None, seed=0):
