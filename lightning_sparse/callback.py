@@ -196,9 +196,8 @@ class SparsityCallback(Callback):
                 f"random number generator states, restored when training resumes) or False"
             )
         self.restore_rng = restore_rng
-        self._pending_rng: Any = (
-            None  # a checkpoint's generator states, until training starts
-        )
+        # a checkpoint's generator states (restore_rng), until fit start sets them
+        self._pending_rng: Any = None
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
         self._pending_state: dict[str, Any] | None = None
