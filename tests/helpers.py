@@ -87,7 +87,7 @@ class ReadsItsWeights(TinyModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.largest = float(self.net.fc1.weight.abs().max())
+        self.largest = float(self.net.fc1.weight.detach().abs().max())
 
 
 class WithDropout(TinyModule):

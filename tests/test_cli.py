@@ -161,6 +161,7 @@ def test_plan_builds_a_model_that_reads_its_weights_for_real_and_says_so(capsys)
     cli = SparseCLI(
         args=[
             "plan",
+            "--seed_everything=0",
             "--model=helpers.ReadsItsWeights",
             "--data=lightning.pytorch.LightningDataModule",
             "--trainer.max_steps=10",

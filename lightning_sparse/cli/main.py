@@ -17,7 +17,8 @@ is resumed and its weights win. ``--export_to`` (``fit`` only) writes the traine
 compressed safetensors file (:func:`~lightning_sparse.save_compressed`) when ``fit`` ends.
 ``fit`` ends with the task metrics (the ``val*`` entries of ``trainer.callback_metrics``) and
 the wall time, after each ``SparsityCallback``'s summary (phases with their step ranges, final
-sparsity), both through Lightning's rank-zero logger (one stream, as Lightning's own messages). ``plan`` is a dry run that works on any machine: it builds the model and a CPU
+sparsity), both through Lightning's rank-zero logger (one stream, as Lightning's own messages). ``plan`` is a dry run that works on any machine: it builds the model on the meta device
+(shapes without weights, so any size fits) and a CPU
 trainer (never the configured accelerator, devices, strategy or loggers) and, only when the run
 length is counted in epochs, the data; it builds every ``SparsityCallback`` as fit start would,
 prints which parameters each group selects, their sparsity in each phase, the backend each would
