@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_sparse import rng_state
 from lightning_sparse.algorithms import RunLength, check_phases
 from lightning_sparse.backends import validate_backend
 from lightning_sparse.backends.capability import autocast_dtype
@@ -44,7 +46,9 @@ class SparsityCallback(Callback):
     """Train with weight sparsity on a schedule of phases.
 
     Args:
-        sparsity: shorthand for one phase over the whole run: a float in [0, 1) or ``"N:M"``.
+        sparsity: shorthand for one phase over the whole run: a float in [0, 1) or ``"N:M"``,
+            with that phase's other keys as keyword arguments (``**phase_options``), e.g.
+            ``SparsityCallback(sparsity=0.9, algorithm="gmp", update_every=10)``.
         phases: a list of phases (dicts as in YAML, or :class:`~lightning_sparse.Phase`), e.g.
             ``[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}]``. Give ``sparsity`` or
             ``phases``, not both.
@@ -87,10 +91,23 @@ class SparsityCallback(Callback):
             other way, which would train it dense while the logs say sparse). ``True`` logs
             those layers instead, for models that skip layers on purpose (layer drop, routed
             experts, branches taken only for some inputs).
+        restore_rng: also save the global random number generators' states in checkpoints
+            (torch's CPU and CUDA generators, NumPy's, Python's ``random``; every process's)
+            and set them back when ``fit(ckpt_path=...)`` starts, so that dropout and a
+            shuffled loader's order go on as in the uninterrupted run: a resume from a
+            checkpoint written at the end of an epoch is then bit for bit the uninterrupted
+            run. Off by default, as it sets the generators of the whole process; a resume in
+            the middle of an epoch also depends on the loader (Lightning restarts a plain
+            ``DataLoader``'s epoch).
+        **phase_options: with ``sparsity=``, the keys of its one phase (those of
+            :class:`~lightning_sparse.Phase`: ``algorithm``, ``update_every``, ``init``,
+            ``seed``, ``ramp``, ``until``...); with ``phases=``, an error (give them inside each
+            phase).
 
     Steps are optimizer steps (``trainer.global_step``), so gradient accumulation is accounted for.
     Masks, the phase, the last update step and the schedule are saved in checkpoints and
-    restored on ``fit(ckpt_path=...)``; the model's own ``state_dict`` keys never change.
+    restored on ``fit(ckpt_path=...)`` (the global random number generators too with
+    ``restore_rng=True``); the model's own ``state_dict`` keys never change.
 
     One callback may fit several models, one after another: each keeps what its fit left it
     with (a straight-through layer its masked forward). A second ``fit`` of one model with a
@@ -121,6 +138,8 @@ class SparsityCallback(Callback):
         verify_speed_tokens: int | None = None,
         on_schedule_change: str = "error",
         allow_skipped_layers: bool = False,
+        restore_rng: bool = False,
+        **phase_options: Any,
     ) -> None:
         if (sparsity is None) == (phases is None):
             raise ValueError(
@@ -128,8 +147,16 @@ class SparsityCallback(Callback):
                 "e.g. sparsity=0.7) or phases= (e.g. phases=[{'sparsity': '2:4', 'until': 0.7}, "
                 f"{{'sparsity': 0.0}}]); got sparsity={sparsity!r}, phases={phases!r}"
             )
+        # LightningCLI passes every phase key, the unset ones at their defaults
+        phase_options = {
+            key: value
+            for key, value in phase_options.items()
+            if key not in _PHASE_DEFAULTS or value != _PHASE_DEFAULTS[key]
+        }
+        check_phase_options(phase_options, sparsity is not None)
         if phases is None:
-            phases = [{"sparsity": sparsity}]
+            # a call of Phase itself, so that LightningCLI knows the options' types
+            phases = [Phase(sparsity=sparsity, **phase_options)]
         if not isinstance(phases, Sequence) or isinstance(phases, str):
             raise TypeError(
                 f"phases={phases!r}: give a list of phases, e.g. [{{'sparsity': 0.7}}]"
@@ -173,6 +200,14 @@ class SparsityCallback(Callback):
                 f"not run in the first sparse step is logged) or False (an error, the default)"
             )
         self.allow_skipped_layers = allow_skipped_layers
+        if not isinstance(restore_rng, bool):
+            raise TypeError(
+                f"restore_rng={restore_rng!r}: use True (checkpoints hold every process's "
+                f"random number generator states, restored when training resumes) or False"
+            )
+        self.restore_rng = restore_rng
+        # a checkpoint's generator states (restore_rng), until fit start sets them
+        self._pending_rng: Any = None
         self.sparsifier: Sparsifier | None = None
         self.selection: Selection | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -228,6 +263,14 @@ class SparsityCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
+        states, self._pending_rng = self._pending_rng, None
+        if states is not None:
+            # before the train loader's first iterator draws from the generators (the run
+            # length below may load it; Lightning isolates the sanity check's draws)
+            where = f"[{self.name}]"
+            rng_state.restore_rank(
+                states, trainer.global_rank, trainer.world_size, where
+            )
         others = [
             (cb.name, cb.selection)
             for cb in trainer.callbacks
@@ -243,6 +286,8 @@ class SparsityCallback(Callback):
             calibration_forwards=TrainLoaderForwards(trainer),
             example_forward=example_forward(pl_module, trainer),
         )
+        for warning in self.sparsifier.schedule_warnings():
+            rank_zero_warn(warning)
         if self.verify_speed == CUDA_GRAPHS and not compiled_with_cuda_graphs(
             pl_module
         ):
@@ -450,7 +495,10 @@ class SparsityCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.sparsifier is None or not self._active:
             return dict(self._pending_state or {})
-        return {**self.sparsifier.state_dict(), "flip_rate": self.flips.state_dict()}
+        state = {**self.sparsifier.state_dict(), "flip_rate": self.flips.state_dict()}
+        if self.restore_rng:
+            state["rng"] = rng_state.capture_ranks()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # the rest is checked when the masks are restored, once the targets are known
@@ -463,6 +511,50 @@ class SparsityCallback(Callback):
         self.flips.load_state_dict(state_dict.get("flip_rate"), f"[{self.name}]")
         self._pending_state = dict(state_dict)
         self._active = False
+        if self.restore_rng:
+            self._pending_rng = state_dict.get("rng")
+            if self._pending_rng is None:
+                rank_zero_warn(
+                    f"[{self.name}] restore_rng=True, but the checkpoint holds no random "
+                    f"number generator states (it was written with restore_rng=False): "
+                    f"dropout and data order follow this run's generators from here"
+                )
+
+
+PHASE_OPTIONS = tuple(f.name for f in fields(Phase) if f.name != "sparsity")
+"""The keys of a phase that ``SparsityCallback`` accepts beside ``sparsity=``."""
+_PHASE_DEFAULTS = {
+    f.name: f.default if f.default is not MISSING else f.default_factory()
+    for f in fields(Phase)
+    if f.name != "sparsity"
+}
+
+
+def check_phase_options(options: Mapping[str, Any], one_phase: bool) -> None:
+    """Refuse ``SparsityCallback`` keyword ``options`` that are not a phase's keys, or that
+    come with ``phases=`` (``one_phase`` is ``False``), naming the fix.
+
+    Example:
+        >>> check_phase_options({"algorithm": "gmp"}, one_phase=False)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: algorithm='gmp' is a key of one phase: with phases=, give it inside ...
+    """
+    unknown = sorted(set(options) - set(PHASE_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"SparsityCallback got unknown argument(s) {unknown}: beside its own arguments it "
+            f"takes a phase's keys along with sparsity= ({', '.join(PHASE_OPTIONS)})"
+        )
+    if options and not one_phase:
+        given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        example = ", ".join(f"{k!r}: {v!r}" for k, v in options.items())
+        raise ValueError(
+            f"{given} {'is a key' if len(options) == 1 else 'are keys'} of one phase: with "
+            f"phases=, give {'it' if len(options) == 1 else 'them'} inside each phase that "
+            f"uses {'it' if len(options) == 1 else 'them'} (phases=[{{'sparsity': 0.9, "
+            f"{example}}}, ...]), or give sparsity= instead of phases= for one phase"
+        )
 
 
 def check_distinct_names(callbacks: Sequence[Callback]) -> None:

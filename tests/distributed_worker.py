@@ -5,7 +5,8 @@ For each strategy in ``strategies`` (``"ddp"``, or ``"fsdp2"``: Lightning's
 checkpoint at ``checkpoint_step``, then a second ``fit`` that resumes from it, and records, per
 optimizer step, a hash of every mask as this rank sees it (after the step's mask update), the
 logged flip rates and actual sparsities, plus a hash of the final weights. With ``by_name``, it does the same under DDP for a model whose
-parameter names sort out of model order, resuming from several checkpoints (:func:`by_name`).
+parameter names sort out of model order, resuming from several checkpoints (:func:`by_name`);
+with ``rank_rng``, it resumes a dropout model whose ranks draw differently (:func:`rank_rng`).
 One job serves every strategy: starting processes is the slow part.
 """
 
@@ -24,7 +25,9 @@ from helpers import (
     MetricsLog,
     OutOfOrderModule,
     RepeatedBatch,
+    StopAfterEpoch,
     TinyModule,
+    WithDropout,
     fast_trainer,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -263,6 +266,55 @@ def agreed_backends() -> dict[str, Any]:
     return {"name": chosen.name, "reason": chosen.reason}
 
 
+class RankSeeded(L.Callback):
+    """Seeds the global generators differently on each rank at setup (before a resume restores
+    them), so each rank draws its own dropout masks."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        torch.manual_seed(2000 + trainer.global_rank)
+
+
+def rank_rng(out: Path) -> dict[str, Any]:
+    """DDP with dropout drawn differently on each rank: 3 epochs in one run, and in a run that
+    stops after the first epoch (a checkpoint) and its resume, with and without
+    ``restore_rng``: a hash of the final weights of each run."""
+    rank = int(os.environ["LOCAL_RANK"])
+    report: dict[str, Any] = {}
+    for restore in (True, False):
+        folder = out / f"restore_rng={restore}"
+        checkpoint = folder / "epoch=0.ckpt"
+        for run, stop, ckpt_path in (
+            ("full", None, None),
+            ("stopped", 0, None),
+            ("resumed", None, str(checkpoint)),
+        ):
+            L.seed_everything(0)
+            model = WithDropout()
+            callbacks = [
+                RankSeeded(),
+                SparsityCallback(sparsity=0.5, verbose=False, restore_rng=restore),
+            ]
+            if stop is not None:
+                callbacks += [
+                    StopAfterEpoch(stop),
+                    ModelCheckpoint(folder, "{epoch}", save_top_k=-1),
+                ]
+            trainer = fast_trainer(
+                strategy="ddp",
+                devices=2,
+                max_epochs=3,
+                callbacks=callbacks,
+                enable_checkpointing=stop is not None,
+                deterministic=True,
+                use_distributed_sampler=False,  # RankBatches splits the data
+            )
+            loader = DataLoader(RankBatches(rank), batch_size=8, shuffle=True)
+            trainer.fit(model, loader, ckpt_path=ckpt_path)
+            weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+            report[f"{run} restore_rng={restore}"] = hashlib.sha256(weights).hexdigest()
+    return report
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     report: dict[str, Any] = {}
@@ -279,6 +331,8 @@ def main() -> None:
         )
     if "fsdp2" in cfg["strategies"]:
         report["odd_shards"] = odd_shards()
+    if cfg.get("rank_rng"):
+        report["rank_rng"] = rank_rng(Path(cfg["out"]) / "rank_rng")
     report["agreed_backends"] = (
         agreed_backends()
     )  # last: it patches the capability rules

@@ -19,6 +19,13 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import ParamTarget, select_parameters
 from lightning_sparse.engine.forwards import LayerForwards
 
+FEW_UPDATES = pytest.mark.filterwarnings(
+    r"ignore:\[\w+\] phase \d+ \(.*\). (its ramp|\w+ has (one|no) mask update)"
+)
+"""Leaves out the warning of a ``gmp``, ``set`` or ``rigl`` phase with too few mask updates for
+its length (``tests/test_few_updates.py`` checks it): a test's few steps give phases few updates
+on purpose."""
+
 
 class TinyNet(nn.Module):
     """Two hidden Linear layers (sparsified by default) and an output head (left dense)."""
@@ -72,6 +79,39 @@ class TinyModule(L.LightningModule):
         return torch.optim.AdamW(
             self.parameters(), lr=self.lr, weight_decay=self.weight_decay
         )
+
+
+class ReadsItsWeights(TinyModule):
+    """A module whose ``__init__`` reads a value of its weights, which a model built on the
+    meta device has not got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = float(self.net.fc1.weight.detach().abs().max())
+
+
+class WithDropout(TinyModule):
+    """:class:`TinyModule` with dropout after both hidden layers."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net = self.net
+        hidden = self.drop(torch.relu(net.fc1(x)))
+        return net.head(self.drop(torch.relu(net.fc2(hidden))))
+
+
+class StopAfterEpoch(L.Callback):
+    """Ends the run after epoch ``epoch`` (counted from 0), as a job that runs out of time."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.should_stop = True
 
 
 class Classifier(L.LightningModule):

@@ -313,6 +313,26 @@ def test_fit_start_table_lists_parameters_phases_backend_and_reasons(lightning_l
     assert "summary" in text and "final sparsity" in text
 
 
+def test_summary_says_where_straight_through_masks_live(lightning_log):
+    """After a ``runtime`` 2:4 run the stored weights hold no zeros: the summary says so."""
+    model = TinyModule()
+    cb = SparsityCallback(sparsity="2:4")
+    fast_trainer(max_steps=2, callbacks=[cb]).fit(model, random_loader())
+    text = "\n".join(r.getMessage() for r in lightning_log.records)
+    assert "final sparsity: 5" in text  # runtime's greedy tiles keep at most 2 of 4
+    assert (
+        "  runtime: applied in the forward; stored weights stay dense; export_state_dict "
+        "folds the masks in" in text
+    )
+    assert bool((model.net.fc1.weight != 0).all())
+    lightning_log.clear()
+    fast_trainer(max_steps=2, callbacks=[SparsityCallback(sparsity=0.5)]).fit(
+        TinyModule(), random_loader()
+    )
+    text = "\n".join(r.getMessage() for r in lightning_log.records)
+    assert "final sparsity: 50.0%" in text and "applied in the forward" not in text
+
+
 def test_constructor_errors_name_the_argument_and_fix():
     with pytest.raises(
         ValueError, match=r"needs exactly one of sparsity= .* or phases="

@@ -7,11 +7,13 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import RepeatedBatch, TinyModule, fast_trainer
+from helpers import FEW_UPDATES, RepeatedBatch, TinyModule, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback, export_state_dict
+
+pytestmark = FEW_UPDATES
 
 PHASES = [  # then dense from step 9
     {"sparsity": 0.5, "algorithm": "magnitude", "update_every": 2, "until": 5},

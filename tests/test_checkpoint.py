@@ -4,11 +4,13 @@ on a mask-update step, export, and bad checkpoints."""
 import lightning as L
 import pytest
 import torch
-from helpers import RepeatedBatch, StopAt, TinyModule, fast_trainer
+from helpers import FEW_UPDATES, RepeatedBatch, StopAt, TinyModule, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback, export_state_dict
+
+pytestmark = FEW_UPDATES
 
 PHASES = [
     {"sparsity": 0.5, "algorithm": "magnitude", "update_every": 2, "until": 4},

@@ -81,6 +81,7 @@ def test_a_checkpoint_of_fit_needs_no_extra_safe_globals(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("writer", ["torch.save", "legacy torch.save", "pickle.dump"])
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")  # of a bare pickle
 def test_a_crafted_pickle_runs_only_with_the_opt_in(tmp_path, writer):
     marker = tmp_path / "marker"
     path = tmp_path / "crafted.ckpt"

@@ -11,7 +11,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import Classifier, TinyModule, fast_trainer, random_loader
+import yaml
+from helpers import FEW_UPDATES, Classifier, TinyModule, fast_trainer, random_loader
 from lightning.pytorch.cli import LightningCLI
 from test_models import tiny_torchvision_vit
 from torch import nn
@@ -36,7 +37,7 @@ SMALL_VIT = [
     "--data.init_args.image_size=16",
 ]
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), FEW_UPDATES]
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +117,81 @@ def test_plan_reports_the_vit_demo_and_writes_the_plot_into_the_run_directory(
     png = Path("runs/vit_cpu_demo/sparsity_plan.png")  # the recipe's default_root_dir
     assert f"Schedule plot: {png}" in out and list(recipe.parent.iterdir()) == [recipe]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def vit_demo_with(tmp_path, **init_args):
+    """The ViT demo recipe with its SparsityCallback's arguments replaced by ``init_args``."""
+    config = yaml.safe_load(VIT_DEMO.read_text())
+    (callback,) = [
+        c
+        for c in config["trainer"]["callbacks"]
+        if c["class_path"].endswith("Callback")
+    ]
+    callback["init_args"] = init_args
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_plan_builds_the_model_on_the_meta_device(tmp_path, capsys):
+    recipe = vit_demo_with(tmp_path, phases=[{"sparsity": "2:4"}])  # default selection
+    cli = SparseCLI(args=["plan", f"--config={recipe}", "--plot=false"])
+    assert all(p.is_meta for p in cli.model.parameters())  # no weight was ever made
+    out = capsys.readouterr().out
+    assert (
+        "The model was built on the meta device (shapes and dtypes, no weights)." in out
+    )
+    assert "SparsityCallback 'sparsity': 16 parameters" in out
+
+
+def test_a_model_on_the_meta_device_finds_its_head_by_a_meta_forward():
+    with torch.device("meta"):
+        module = Classifier(tiny_torchvision_vit(), example=torch.randn(1, 3, 16, 16))
+    cb = SparsityCallback(sparsity="2:4")
+    text = format_plan(
+        plan_schedule(fast_trainer(max_steps=10, callbacks=[cb]), module)
+    )
+    assert (
+        "output head model.heads.head: returned by the forward of example_input_array"
+        in text
+    )
+
+
+def test_plan_builds_a_model_that_reads_its_weights_for_real_and_says_so(capsys):
+    cli = SparseCLI(
+        args=[
+            "plan",
+            "--seed_everything=0",
+            "--model=helpers.ReadsItsWeights",
+            "--data=lightning.pytorch.LightningDataModule",
+            "--trainer.max_steps=10",
+            (
+                '--trainer.callbacks=[{"class_path": "lightning_sparse.SparsityCallback", '
+                '"init_args": {"sparsity": 0.5}}]'
+            ),
+            "--plot=false",
+        ]
+    )
+    assert not any(p.is_meta for p in cli.model.parameters())
+    out = capsys.readouterr().out
+    assert (
+        "The model was built with its weights: its __init__ cannot run on the meta device "
+        "(Tensor.item() cannot be called on meta tensors)." in out
+    )
+    assert "SparsityCallback 'sparsity': 2 parameters" in out
+
+
+def test_plan_on_the_meta_device_shows_the_group_target_of_a_global_phase(
+    tmp_path, capsys
+):
+    recipe = vit_demo_with(tmp_path, sparsity=0.8, distribution="global")
+    SparseCLI(args=["plan", f"--config={recipe}", "--plot=false"])
+    out = capsys.readouterr().out
+    fc1 = [line for line in out.splitlines() if "model.blocks.0.mlp.fc1.weight" in line]
+    assert fc1[1].split()[-1] == "80.0%"
+    assert (
+        "phase 1: the group's target on every layer; fit start spreads it by the" in out
+    )
 
 
 def test_plan_without_matplotlib_says_how_to_get_the_plot(

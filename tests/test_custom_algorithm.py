@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from helpers import TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, TinyModule, fast_trainer, random_loader
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_sparse import (
@@ -14,6 +14,8 @@ from lightning_sparse import (
     register_algorithm,
 )
 from lightning_sparse.masks import num_kept
+
+pytestmark = FEW_UPDATES
 
 
 # The example of docs/algorithms.md, verbatim.

@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import (
+    FEW_UPDATES,
     MetricsLog,
     RepeatedBatch,
     StopAt,
@@ -23,6 +24,8 @@ from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.masks.tiles import transposable_2to4_mask
+
+pytestmark = FEW_UPDATES
 
 DECAY = 0.25  # large, so that the decay term stands far above rounding
 LR = 0.1

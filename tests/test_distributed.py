@@ -109,7 +109,12 @@ def config() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def job(config, tmp_path_factory) -> list[dict[str, Any]]:
     """Each rank's report of the one 2-process job (DDP runs, then FSDP2 runs)."""
-    config = {**config, "strategies": ["ddp", "fsdp2"], "by_name": BY_NAME}
+    config = {
+        **config,
+        "strategies": ["ddp", "fsdp2"],
+        "by_name": BY_NAME,
+        "rank_rng": True,
+    }
     return run_workers(config, tmp_path_factory.mktemp("job"))
 
 
@@ -272,3 +277,12 @@ def test_fsdp1_strategy_is_refused_by_a_real_trainer():
     )
     with pytest.raises(TypeError, match=FSDP1_ERROR):
         trainer.fit(TinyModule(), random_loader())
+
+
+def test_restore_rng_resumes_each_rank_s_own_dropout_bitwise(job):
+    """Every rank saves and restores its own generators: a DDP run whose ranks draw different
+    dropout masks resumes from an epoch boundary bit for bit with ``restore_rng=True``."""
+    for report in job:
+        runs = report["rank_rng"]
+        assert runs["resumed restore_rng=True"] == runs["full restore_rng=True"]
+        assert runs["resumed restore_rng=False"] != runs["full restore_rng=False"]

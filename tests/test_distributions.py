@@ -5,7 +5,7 @@ import math
 import lightning as L
 import pytest
 import torch
-from helpers import TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, TinyModule, fast_trainer, random_loader
 from torch import nn
 
 from lightning_sparse import SparsityCallback
@@ -14,6 +14,8 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import num_kept
+
+pytestmark = FEW_UPDATES
 
 
 class ConvNet(nn.Module):

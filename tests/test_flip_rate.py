@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-from helpers import MetricsLog, TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, MetricsLog, TinyModule, fast_trainer, random_loader
 
 from lightning_sparse import SparsityAlgorithm, SparsityCallback, register_algorithm
+
+pytestmark = FEW_UPDATES
 
 FLIP = "sparsity/sparsity/flip_rate"
 WEIGHTS = 16 * 8 + 16 * 16  # TinyNet's fc1 and fc2

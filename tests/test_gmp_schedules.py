@@ -5,13 +5,15 @@ a resumed run matches the uninterrupted one bit for bit."""
 import lightning as L
 import pytest
 import torch
-from helpers import RepeatedBatch, TinyModule, fast_trainer, resume_run
+from helpers import FEW_UPDATES, RepeatedBatch, TinyModule, fast_trainer, resume_run
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.algorithms import build_algorithm
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.masks import num_kept
+
+pytestmark = FEW_UPDATES
 
 VALUES = [0.5, 0.25, 0.75]  # down, then up, then down again (from 0.75 to 0.5)
 PHASE = {

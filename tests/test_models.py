@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    FEW_UPDATES,
     Classifier,
     StopAt,
     TinyModule,
@@ -38,6 +39,8 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks.tiles import transposable_2to4_mask
+
+pytestmark = FEW_UPDATES
 
 
 def test_layer_types_of_the_models_people_bring():

@@ -5,12 +5,14 @@ message names the offending key; nothing else escapes (a property-based test).""
 import math
 
 import pytest
-from helpers import TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, TinyModule, fast_trainer, random_loader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_sparse import SparsityCallback
+
+pytestmark = FEW_UPDATES
 
 SETTINGS = settings(
     max_examples=250,
@@ -182,6 +184,7 @@ CALLBACK_ARGS = {
     "verbose": ANY,
     "verify_speed": ANY,
     "allow_skipped_layers": ANY,
+    "restore_rng": ANY,
 }
 
 
@@ -271,3 +274,54 @@ def test_cerebras_configs_are_validated_when_translated():
         SparsityCallback.from_config(
             {"algorithm": "static", "sparsity": 0.5, "seed": "one"}
         )
+
+
+@SETTINGS
+@given(data=st.data())
+def test_phase_keys_beside_sparsity_build_or_are_named(data):
+    """``SparsityCallback(sparsity=..., algorithm=..., update_every=...)``: the keys of the one
+    phase, wrong values named as in a phase list."""
+    algorithm = data.draw(st.sampled_from(sorted(OPTIONS)))
+    kwargs = {key: data.draw(values) for key, values in OPTIONS[algorithm].items()}
+    cb = SparsityCallback(sparsity=0.5, algorithm=algorithm, **kwargs)
+    assert len(cb.phases) == 1 and cb.phases[0].algorithm == algorithm
+    assert set(cb.phases[0].explicit_options()) == set(kwargs)
+    key = data.draw(st.sampled_from(sorted(set(BAD) - {"sparsity"})))
+    with pytest.raises((ValueError, TypeError)) as err:
+        SparsityCallback(sparsity=0.5, **{key: data.draw(st.sampled_from(BAD[key]))})
+    assert named(err.value, key), err.value
+
+
+def test_phase_keys_go_inside_the_phases_of_a_phase_list_and_unknown_ones_are_named():
+    with pytest.raises(
+        ValueError, match=r"algorithm='gmp' is a key of one phase: with phases="
+    ):
+        SparsityCallback(phases=[{"sparsity": 0.9}], algorithm="gmp")
+    with pytest.raises(
+        TypeError, match=r"unknown argument\(s\) \['update_evry'\].*update_every"
+    ):
+        SparsityCallback(sparsity=0.9, algorithm="gmp", update_evry=10)
+
+
+def test_phase_keys_beside_sparsity_in_a_config(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_sparse.SparsityCallback\n"
+        "      init_args: {sparsity: 0.9, algorithm: gmp, update_every: '10'}\n"
+    )
+    cli = LightningCLI(TinyModule, run=False, args=["--config", str(config)])
+    (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, SparsityCallback)]
+    assert (cb.phases[0].algorithm, cb.phases[0].update_every) == ("gmp", 10)
+
+
+def test_a_percentage_from_python_is_not_read_as_yaml_base_60():
+    with pytest.raises(
+        ValueError, match=r"outside \[0, 1\).*\(for 90% zeros, write 0.9\)$"
+    ) as err:
+        SparsityCallback(sparsity=90)
+    assert "YAML" not in str(err.value)
+    # 124 is what YAML 1.1 makes of an unquoted 2:4: that hint stays
+    with pytest.raises(
+        ValueError, match=r"how YAML 1.1 reads an unquoted 2:4.*quote it"
+    ):
+        SparsityCallback(sparsity=124)

@@ -6,7 +6,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, TinyModule, fast_trainer, random_loader
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
@@ -15,6 +15,8 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import NM, is_nm, num_kept
+
+pytestmark = FEW_UPDATES
 
 
 class BadLossAt(TinyModule):

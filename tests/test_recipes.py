@@ -2,20 +2,18 @@
 instantiated, and its sparsity schedule planned (``plan``: selection, phases resolved against
 the run, backends, FLOPs), without training.
 
-The full-scale recipes (ViT-L/S DINOv2, GPT-2) are built on the ``meta`` device (no memory, no
-init time) and planned as they are: ``plan`` never builds their GPU accelerator, and never
-builds their data (their token files do not exist here), since ``max_steps`` gives the run
-length.
+``plan`` builds every model on the ``meta`` device (no memory, no init time), so the
+full-scale recipes (ViT-L/S DINOv2, GPT-2, a 7B Llama) plan as they are: ``plan`` never builds
+their GPU accelerator, and never builds their data (their token files do not exist here), since
+``max_steps`` gives the run length.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from helpers import pretend_gpu, speed_rows
 
@@ -38,16 +36,10 @@ def _no_pytest_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
 
 
-def is_full_scale(recipe: Path) -> bool:
-    return recipe.is_relative_to(RECIPES) and recipe.name != "cpu_demo.yaml"
-
-
 def plan(recipe: Path, tmp_path: Path, *extra: str) -> SparseCLI:
-    """``lightning-sparse plan`` on ``recipe`` (a full-scale one on the meta device)."""
-    full_scale = is_full_scale(recipe)
+    """``lightning-sparse plan`` on ``recipe``."""
     args = ["plan", f"--config={recipe}", *extra, f"--plot_path={tmp_path / 'p.png'}"]
-    with torch.device("meta") if full_scale else contextlib.nullcontext():
-        return SparseCLI(args=args)
+    return SparseCLI(args=args)
 
 
 def test_recipes_are_found():
@@ -136,6 +128,21 @@ def test_full_scale_recipes_plan_as_configured_without_gpu_or_data(tmp_path, cap
     assert "accelerator=gpu, devices=8" in out and "strategy=ddp" in out
     assert "precision=bf16-mixed" in out and "No data was read" in out
     assert cli.datamodule is None and cli.trainer.global_step == 0
+
+
+def test_a_7b_llama_plans_on_the_meta_device_with_its_mlps_on_2to4_kernels(
+    tmp_path, capsys
+):
+    """A model of any size plans on a laptop: the 7B Llama is never materialised."""
+    recipe = RECIPES / "hf" / "llama7b_24_plan.yaml"
+    cli = plan(recipe, tmp_path, "--gpu=h100", "--plot=false")
+    params = list(cli.model.parameters())
+    assert all(p.is_meta for p in params)
+    assert 6.7e9 < sum(p.numel() for p in params) < 6.8e9
+    out = capsys.readouterr().out
+    assert "SparsityCallback 'sparsity': 96 parameters, 2 phase(s)" in out
+    rows = speed_rows(out)
+    assert rows["4096->11008"][0] == "64" and rows["11008->4096"][0] == "32"
 
 
 def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):

@@ -18,12 +18,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import OutOfOrderModule, RepeatedBatch, fast_trainer
+from helpers import FEW_UPDATES, OutOfOrderModule, RepeatedBatch, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.formats.compressed import load_compressed, save_compressed
+
+pytestmark = FEW_UPDATES
 
 WIDTH = 8
 STATE_KEY = "SparsityCallback{'name': 'sparsity'}"

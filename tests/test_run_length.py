@@ -11,12 +11,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import TinyModule, fast_trainer, random_loader
+from helpers import FEW_UPDATES, TinyModule, fast_trainer, random_loader
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_sparse import SparsityCallback
 from lightning_sparse.cli.main import SparseCLI
 from lightning_sparse.cli.plan import plan_schedule
+
+pytestmark = FEW_UPDATES
 
 EPOCH_PHASES = [{"sparsity": 0.5, "until": "1 epoch"}, {"sparsity": 0.0}]
 VIT_DEMO = Path(__file__).resolve().parents[1] / "recipes" / "vit" / "cpu_demo.yaml"

@@ -274,6 +274,55 @@ class SparsityAlgorithm:
             count += 1
         return count + 1
 
+    def update_steps(self, every: int | None = None) -> list[int] | None:
+        """The steps of the phase at which :meth:`update_mask` runs (with ``every`` instead of
+        ``update_every``: where it would run); ``None`` when neither the phase nor its updates
+        have a known end."""
+        if not self.dynamic:
+            return []
+        every = every or self.update_every
+        last = None if self.phase.end is None else self.phase.end - 1
+        known = [end for end in (self.update_stop, last) if end is not None]
+        if not known:
+            return None
+        low, high = max(self.phase.start + 1, self.update_start), min(known)
+        # the first step of the grid update_start + j * every at or after low
+        first = low + (self.update_start - low) % every
+        steps = list(range(first, high + 1, every))
+        stop = self.update_stop
+        if stop is not None and low <= stop <= high and stop not in steps[-1:]:
+            steps.append(stop)
+        return steps
+
+    def schedule_warning(self) -> str | None:
+        """What is wrong with the phase's update schedule for its length, said with the
+        numbers and the fix (the built-in ``gmp``, ``set`` and ``rigl``: too few updates), or
+        ``None``. Fit start warns with it and ``plan`` prints it."""
+        return None
+
+    def _update_every_fix(self, fits: Callable[[list[int]], bool]) -> str:
+        """The fix for an update schedule that ``fits`` (given the update steps) refuses: an
+        ``update_every`` that gives about ten updates, or a longer phase."""
+        stop = self.update_stop if self.update_stop is not None else self.phase.end
+        span = (stop or self.update_start) - self.update_start
+        every = max(1, span // 10)
+        steps = self.update_steps(every)
+        if span > 0 and steps is not None and fits(steps):
+            return (
+                f"set update_every={every}{' or less' if every > 1 else ''} ({len(steps)} "
+                f"updates over the {span} steps from update_start to update_stop)"
+            )
+        return (
+            f"the updates have only {max(span, 0)} steps between update_start and "
+            f"update_stop: lengthen the phase (until) or move update_stop later"
+        )
+
+    def _update_window(self) -> str:
+        """``update_every=N, from step a to update_stop (step b)``, for messages."""
+        stop = self.update_stop
+        until = "" if stop is None else f" to update_stop (step {stop})"
+        return f"update_every={self.update_every}, from step {self.update_start}{until}"
+
     @property
     def calibrates(self) -> bool:
         """Whether the first mask needs input norms (``init='wanda'``): the engine then runs

@@ -223,6 +223,21 @@ class DropAndGrow(SparsityAlgorithm):
                 f"drop_fraction_decay: constant"
             )
 
+    def schedule_warning(self) -> str | None:
+        """Fewer than two drop-and-regrow updates in the phase."""
+        steps = self.update_steps()
+        if steps is None or len(steps) >= 2:
+            return None
+        what = (
+            "no mask update, so its mask stays as chosen at the phase start (as static)"
+            if not steps
+            else f"one mask update (step {steps[0]}), so it drops and regrows once"
+        )
+        return (
+            f"{self.name} has {what} ({self._update_window()}): "
+            + self._update_every_fix(lambda steps: len(steps) >= 2)
+        )
+
     def drop_fraction_at(self, step: int) -> float:
         """The fraction of each layer's active weights dropped (and regrown) at ``step``."""
         if self.drop_schedule is not None:

@@ -119,6 +119,39 @@ class GradualMagnitudePruning(SparsityAlgorithm):
             self.ramp
         ](progress)
 
+    def schedule_warning(self) -> str | None:
+        """A ramp of a built-in shape that does not fit the phase: it ends after the phase
+        (never reaching the target), or its largest single update prunes more than half of it
+        (too few updates: the ramp is a jump)."""
+        steps = self.update_steps()
+        if self.schedule is not None or steps is None:
+            return None  # a schedule gives every value itself
+        target = float(self.phase.target)
+        ramp = f"its ramp from {self.initial:.0%} to {target:.0%}"
+        reached = float(self.target_at(max([self.phase.start, *steps])))
+        if not math.isclose(reached, target):
+            return (
+                f"{ramp} reaches only {reached:.0%} before the phase ends "
+                f"({self._update_window()}): end the ramp inside the phase (update_stop)"
+            )
+        half = (target - self.initial) / 2
+        jump, at = self._largest_jump(steps)
+        if jump <= half:
+            return None
+        count = f"{len(steps)} mask update{'s' if len(steps) != 1 else ''}"
+        return (
+            f"{ramp} has {count} ({self._update_window()}), so the update at step {at} "
+            f"prunes {jump:.0%} of the weights at once: "
+            + self._update_every_fix(lambda steps: self._largest_jump(steps)[0] <= half)
+        )
+
+    def _largest_jump(self, steps: list[int]) -> tuple[float, int]:
+        """The largest rise of the target from one mask choice to the next (the phase start,
+        then ``steps``), and the step it happens at."""
+        choices = [self.phase.start, *steps]
+        values = [self.initial] + [float(self.target_at(s)) for s in choices]
+        return max((b - a, step) for a, b, step in zip(values, values[1:], choices))
+
     def regrowth(self, ctx: MaskContext) -> Regrowth:
         """Where an update that lowers the sparsity regrows (see the class docstring)."""
         if ctx.grad is None:

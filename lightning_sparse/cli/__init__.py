@@ -1,2 +1,2 @@
-"""The command line: LightningCLI with ``fit``, ``validate`` and ``plan``, the plan itself, FLOP
-estimates and the schedule plot."""
+"""The command line: its light entry (help, version, the OpenMP wait policy), LightningCLI with
+``fit``, ``validate`` and ``plan``, the plan itself, FLOP estimates and the schedule plot."""

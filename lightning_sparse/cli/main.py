@@ -17,7 +17,8 @@ is resumed and its weights win. ``--export_to`` (``fit`` only) writes the traine
 compressed safetensors file (:func:`~lightning_sparse.save_compressed`) when ``fit`` ends.
 ``fit`` ends with the task metrics (the ``val*`` entries of ``trainer.callback_metrics``) and
 the wall time, after each ``SparsityCallback``'s summary (phases with their step ranges, final
-sparsity), both through Lightning's rank-zero logger (one stream, as Lightning's own messages). ``plan`` is a dry run that works on any machine: it builds the model and a CPU
+sparsity), both through Lightning's rank-zero logger (one stream, as Lightning's own messages). ``plan`` is a dry run that works on any machine: it builds the model on the meta device
+(shapes without weights, so any size fits) and a CPU
 trainer (never the configured accelerator, devices, strategy or loggers) and, only when the run
 length is counted in epochs, the data; it builds every ``SparsityCallback`` as fit start would,
 prints which parameters each group selects, their sparsity in each phase, the backend each would
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -133,11 +135,15 @@ class SparseCLI(LightningCLI):
             sys.exit(f"lightning-sparse: {_explain_parse_error(err, args)}")
 
     def instantiate_classes(self) -> None:
-        """Build the config's objects (for ``plan``: on this CPU, see :meth:`_plan_here`); a
-        configuration error ends with its message instead of a traceback."""
+        """Build the config's objects (for ``plan``: on this CPU, see :meth:`_plan_here`, and
+        on the meta device, see :meth:`_instantiate_on_meta`); a configuration error ends with
+        its message instead of a traceback."""
         without_data = self.subcommand == "plan" and self._plan_here()
         try:
-            super().instantiate_classes()
+            if self.subcommand == "plan":
+                self._instantiate_on_meta()
+            else:
+                super().instantiate_classes()
         except (ValueError, TypeError, FileNotFoundError) as err:
             explain = (
                 _plan_error(err, self._epoch_boundaries)
@@ -147,6 +153,27 @@ class SparseCLI(LightningCLI):
             sys.exit(f"lightning-sparse {self.subcommand}: {explain}")
         if without_data:
             self.datamodule = None
+
+    def _instantiate_on_meta(self) -> None:
+        """Build ``plan``'s objects with tensors on the meta device: shapes, dtypes and the
+        modules' structure, which is all a plan reads, without allocating or initialising a
+        weight, so a model of any size plans in seconds and little memory. A model whose
+        ``__init__`` needs real values (it reads a weight back) is built again, for real,
+        and the plan says so."""
+        try:
+            with torch.device("meta"):
+                super().instantiate_classes()
+            built = "on the meta device (shapes and dtypes, no weights)"
+        except (NotImplementedError, RuntimeError, ValueError) as err:
+            # jsonargparse reports what a class raised as a ValueError caused by it
+            if not isinstance(_root(err), (NotImplementedError, RuntimeError)):
+                raise
+            super().instantiate_classes()
+            built = (
+                f"with its weights: its __init__ cannot run on the meta device "
+                f"({_root(err)})"
+            )
+        self._assumed["note"] += f" The model was built {built}."
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """Build the trainer once its callbacks are checked: two ``SparsityCallback`` of one
@@ -350,12 +377,17 @@ def _world_size(devices: Any, num_nodes: Any) -> int:
     return count * (num_nodes if isinstance(num_nodes, int) and num_nodes > 0 else 1)
 
 
-def _innermost(err: BaseException) -> str:
-    """The message of the error that caused ``err`` (jsonargparse wraps the one a class
-    raised while being built)."""
+def _root(err: BaseException) -> BaseException:
+    """The error that caused ``err`` (jsonargparse wraps the one a class raised while being
+    built)."""
     while err.__cause__ is not None:
         err = err.__cause__
-    return str(err)
+    return err
+
+
+def _innermost(err: BaseException) -> str:
+    """The message of the error that caused ``err`` (see :func:`_root`)."""
+    return str(_root(err))
 
 
 def _explain_parse_error(err: ArgumentError, args: ArgsType) -> str:

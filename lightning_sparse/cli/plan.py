@@ -95,6 +95,9 @@ class GroupPlan:
     end_sparsity: dict[str, list[float]]  #: per parameter: target at each phase's end
     mean_sparsity: dict[str, list[float]]  #: per parameter: mean target over each phase
     savings: FlopSavings
+    #: phases whose per-layer sparsity shows the group's target: the layers' share depends on
+    #: weight values, which a model built on the meta device has not got
+    by_values: list[int]
 
 
 @dataclass
@@ -203,23 +206,31 @@ def _phase_sparsity(
     phase: ResolvedPhase,
     weights: dict[str, torch.Tensor],
     total: float,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per parameter: the target at the phase's last step, and the mean over the phase."""
+) -> tuple[dict[str, float], dict[str, float], bool]:
+    """Per parameter: the target at the phase's last step, and the mean over the phase; and
+    whether those are the group's target because the layers' share depends on weight values
+    that a model built on the meta device has not got (the ``global`` distribution)."""
     if algo is None:
         zeros = dict.fromkeys(weights, 0.0)
-        return zeros, dict(zeros)
+        return zeros, dict(zeros), False
     end = phase.end if phase.end is not None else int(total)
     last = max(phase.start, end - 1)
-    final = {
-        name: sparsity_fraction(target)
-        for name, target in algo.layer_targets(last, weights, None).items()
-    }
     group_final = sparsity_fraction(algo.target_at(last))
+    try:
+        final = {
+            name: sparsity_fraction(target)
+            for name, target in algo.layer_targets(last, weights, None).items()
+        }
+        by_values = False
+    except (NotImplementedError, RuntimeError):
+        if not any(w.is_meta for w in weights.values()):
+            raise
+        final, by_values = dict.fromkeys(weights, group_final), True
     count = min(_RAMP_SAMPLES, end - phase.start)
     samples = [phase.start + (end - phase.start) * i // count for i in range(count)]
     group_mean = sum(sparsity_fraction(algo.target_at(s)) for s in samples) / count
     scale = group_mean / group_final if group_final else 0.0
-    return final, {name: value * scale for name, value in final.items()}
+    return final, {name: value * scale for name, value in final.items()}, by_values
 
 
 def _plan_group(
@@ -237,17 +248,21 @@ def _plan_group(
     weights = {t.name: t.param.detach() for t in sparsifier.targets}
     end: dict[str, list[float]] = {name: [] for name in weights}
     mean: dict[str, list[float]] = {name: [] for name in weights}
-    fractions = []
+    fractions, by_values = [], []
     for phase in sparsifier.phases:
         phase_end = phase.end if phase.end is not None else run.total_steps
         fractions.append((phase_end - phase.start) / run.total_steps)
         algo = sparsifier.algorithms.get(phase.index)
-        final, average = _phase_sparsity(algo, phase, weights, run.total_steps)
+        final, average, unknown = _phase_sparsity(algo, phase, weights, run.total_steps)
+        if unknown:
+            by_values.append(phase.index)
         for name in weights:
             end[name].append(final[name])
             mean[name].append(average[name])
     savings = run_savings(mean, fractions, flops)
-    return GroupPlan(callback.name, sparsifier, selection, end, mean, savings)
+    return GroupPlan(
+        callback.name, sparsifier, selection, end, mean, savings, by_values
+    )
 
 
 def plan_schedule(
@@ -323,6 +338,8 @@ def format_plan(plan: SchedulePlan) -> str:
         sp = group.sparsifier
         lines.append(plan_table(sp, group.selection))
         lines += _wrap(verify_speed_line(sp), 2)
+        for warning in sp.schedule_warnings():
+            lines += _wrap(f"Warning: {warning}", 2)
         lines.append("")
         lines.append(
             "  per-layer sparsity at the end of each phase, and forward MFLOP per token:"
@@ -337,6 +354,13 @@ def format_plan(plan: SchedulePlan) -> str:
             )
             rows.append([name, mflop] + [f"{v:.1%}" for v in values])
         lines += ["    " + line for line in text_table(rows)]
+        for index in group.by_values:
+            lines += _wrap(
+                f"phase {index + 1}: the group's target on every layer; fit start spreads it "
+                f"by the weights' values ('global'), which a model planned on the meta device "
+                f"has not got",
+                4,
+            )
         saved = group.savings
         share = saved.selected_per_token / total if total else 0.0
         lines.append(

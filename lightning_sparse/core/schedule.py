@@ -74,7 +74,7 @@ def parse_sparsity(value: Any, where: str = "sparsity") -> Sparsity:
         raise ValueError(
             f"{where}={value!r} is outside [0, 1): it is the fraction of weights pruned, "
             f"so use e.g. 0.7 for 70% zeros, 0.0 for dense, or an 'N:M' pattern such as '2:4'"
-            f"{_base60_hint(value)}"
+            f"{_what_was_meant(value)}"
         )
     return float(value)
 
@@ -99,15 +99,25 @@ def parse_int(value: Any, where: str, minimum: int | None = None) -> int:
     return value
 
 
-def _base60_hint(value: float) -> str:
-    """YAML 1.1 (PyYAML, jsonargparse) reads an unquoted ``2:4`` as the base-60 number 124."""
+def _what_was_meant(value: float) -> str:
+    """What a sparsity of 1 or more most likely meant: YAML 1.1 (PyYAML, jsonargparse) reads
+    an unquoted ``2:4`` as the base-60 number 124, so a whole number that reads back as an N:M
+    pattern (M a power of two, as N:M kernels group weights) came from YAML; a number up to 100
+    may be a percentage.
+
+    >>> _what_was_meant(124), _what_was_meant(90)
+    (" (124 is how YAML 1.1 reads an unquoted 2:4, as a base-60 number: quote it, sparsity: '2:4')", ' (for 90% zeros, write 0.9)')
+    """
+    hints = []
     n, m = divmod(int(value), 60)
-    if value != int(value) or not 0 < n < m:
-        return ""
-    return (
-        f" ({value:g} is how YAML 1.1 reads an unquoted {n}:{m}, as a base-60 number: "
-        f"quote it, sparsity: '{n}:{m}')"
-    )
+    if value == int(value) and 0 < n < m and m & (m - 1) == 0:
+        hints.append(
+            f"{value:g} is how YAML 1.1 reads an unquoted {n}:{m}, as a base-60 number: "
+            f"quote it, sparsity: '{n}:{m}'"
+        )
+    if 1 < value < 100:
+        hints.append(f"for {value:g}% zeros, write {value / 100:g}")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def parse_decay(value: Any, where: str = "decay") -> float:

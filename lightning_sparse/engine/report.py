@@ -70,8 +70,9 @@ def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
 def summary(
     sparsifier: Sparsifier, final_step: int, flips: FlipRate | None = None
 ) -> str:
-    """Phases that ran with their step ranges, the final sparsity of the group and, if any
-    were measured, its first, last and peak flip rates."""
+    """Phases that ran with their step ranges, the final sparsity of the group (the sparsity the
+    forward sees; under a straight-through algorithm the stored weights stay dense, and the line
+    after it says so) and, if any were measured, its first, last and peak flip rates."""
     sp = sparsifier
     lines = [f"SparsityCallback '{sp.name}' summary"]
     entries = [(step, index) for step, index in sp.history]
@@ -94,6 +95,11 @@ def summary(
         f"  final sparsity: {sp.actual_sparsity():.1%} over {len(sp.targets)} parameters "
         f"(target now {sp.target_sparsity(final_step):.1%})"
     )
+    if sp.algorithm is not None and sp.algorithm.straight_through:
+        lines.append(
+            f"  {sp.algorithm.name}: applied in the forward; stored weights stay dense; "
+            f"export_state_dict folds the masks in"
+        )
     measured = None if flips is None else flips.describe()
     if measured is not None:
         lines.append(f"  flip rate: {measured}")

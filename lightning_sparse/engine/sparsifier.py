@@ -161,6 +161,21 @@ class Sparsifier:
         """The backend of each (sparse phase index, parameter name)."""
         return self.forwards.choices
 
+    def schedule_warnings(self) -> list[str]:
+        """What is wrong with each sparse phase's update schedule for its length (too few
+        updates for a ``gmp`` ramp, ``set`` or ``rigl``), with the numbers and the fix; see
+        :meth:`~lightning_sparse.algorithms.SparsityAlgorithm.schedule_warning`."""
+        warnings = []
+        for phase in self.phases:
+            algo = self.algorithms.get(phase.index)
+            warning = None if algo is None else algo.schedule_warning()
+            if warning is not None:
+                warnings.append(
+                    f"[{self.name}] phase {phase.index + 1} ({phase.spec.describe()}, "
+                    f"{phase.span()}): {warning}"
+                )
+        return warnings
+
     # -- phases ---------------------------------------------------------------------------------
     @property
     def algorithm(self) -> SparsityAlgorithm | None:
