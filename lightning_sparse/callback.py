@@ -408,6 +408,8 @@ class SparsityCallback(Callback):
             f"sparsity/{self.name}/actual": self.sparsifier.actual_sparsity(),
             f"sparsity/{self.name}/phase": float(_phase_number(self.sparsifier)),
         }
+        for key, value in self.sparsifier.learned_statistics().items():
+            metrics[f"sparsity/{self.name}/{key}"] = value
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
