@@ -385,8 +385,10 @@ class Learned(SparsityAlgorithm):
         }
 
     def restore(self, checked: Mapping[str, Any], step: int) -> None:
-        """Continue from a state :meth:`check_state` read, at optimizer ``step``."""
-        self.step = step
+        """Continue from a state :meth:`check_state` read, at optimizer ``step`` (at the
+        phase's end: its last step, whose forwards the state followed)."""
+        assert self.phase.end is not None
+        self.step = min(step, self.phase.end - 1)
         self.shapes = checked["shapes"]
         self.prior = checked["prior"]
         self.logits = checked["logits"]
