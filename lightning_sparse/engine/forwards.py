@@ -301,7 +301,7 @@ class LearnedSample:
 
 LEARNED_ON_MASKED = (
     "a learned mask is a differentiable sample at every training forward, which no 2:4 "
-    "kernel runs; the masks it hands on can"
+    "kernel runs"
 )
 
 
