@@ -10,11 +10,12 @@ Pruning (the workflow of recipes/gpt/learn_masks_cpu.yaml, beside prune_pretrain
    at peak lr ``--lr`` on every Linear of the blocks: ``magnitude`` and ``wanda`` choose a
    fixed (``static``) 2:4 mask at step 0 and fine-tune it; ``learned`` variants learn the 2:4
    masks for the first ``--learn-steps`` steps (prior ``init: wanda``, with their
-   ``mask_lr`` and ``train_weights``), then fix the most likely patterns (``static``) and
-   fine-tune for the rest: the same total number of steps;
+   ``mask_lr`` and ``train_weights``, ``--learned``), then fix the most likely patterns
+   (``static``) and fine-tune for the rest: the same total number of steps;
 3. the validation loss (nats per byte, the whole validation split) is measured right after
    the mask is fixed (step 0 for the one-shot masks, step ``--learn-steps`` for the learned
-   ones) and at the end.
+   ones), at step ``--learn-steps`` for every variant (the same point of the run), and at the
+   end.
 
 Prints one Markdown table per seed, and with several seeds one of mean ± sample std.
 
@@ -23,7 +24,7 @@ recipe's shape and batch) dense, with ``runtime`` 2:4 and with ``learned`` 2:4 o
 Linear, interleaved in one process (same-run ratios).
 
     python benchmarks/learned_masks.py --seeds 0 --steps 20 --learn-steps 6    # smoke test
-    python benchmarks/learned_masks.py --seeds 0 1 2 --dense-dir runs/dense    # ~40 min
+    python benchmarks/learned_masks.py --seeds 0 1 2                           # ~1-2 h
     python benchmarks/learned_masks.py --step-time                             # ~2 min
 """
 
@@ -51,63 +52,67 @@ TWO_FOUR = {"sparsity": "2:4"}
 
 class FixedAt(ValLoss):
     """:class:`ValLoss`, plus the validation loss at the start of optimizer step ``step``
-    (placed after the SparsityCallback: the phase that fixes the masks has begun)."""
+    (placed after the SparsityCallback: a phase that begins there has begun)."""
 
     def __init__(self, data: Any, step: int) -> None:
         super().__init__(data)
         self.step = step
-        self.fixed = float("nan")
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: GPTLanguageModel) -> None:
-        super().on_train_start(trainer, pl_module)
-        if self.step == 0:
-            self.fixed = self.start
+        self.at_step = float("nan")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and self.step > 0:
-            self.fixed = self.measure(pl_module)
+        if trainer.global_step == self.step:
+            self.at_step = self.measure(pl_module)
 
 
-def variants(
-    learn_steps: int, mask_lrs: list[float]
-) -> dict[str, list[dict[str, Any]]]:
-    """Label -> phases of every variant."""
+LEARNED = ["0:frozen", "5e-4:frozen", "2e-3:frozen", "5e-4:train"]
+"""The default learned variants, ``mask_lr:frozen|train``: mask_lr 0 (no mask learning: the
+same schedule, freezing and soft samples, the argmax left where the prior's initial noise put
+it) as the control; MaskLLM's 5e-4 and 4x more with the weights frozen; 5e-4 with them
+training."""
+
+
+def variants(learn_steps: int, learned: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Label -> phases of every variant (``learned``: ``mask_lr:frozen|train`` entries)."""
     found = {
         "magnitude (one-shot)": [{**TWO_FOUR, "algorithm": "static", "init": "topk"}],
         "wanda (one-shot)": [{**TWO_FOUR, "algorithm": "static", "init": "wanda"}],
     }
-    for train_weights in (False, True):
-        for lr in mask_lrs:
-            label = (
-                f"learned {learn_steps} steps, mask_lr {lr:g}, "
-                f"{'weights train' if train_weights else 'weights frozen'}"
-            )
-            learned = {
-                **TWO_FOUR,
-                "algorithm": "learned",
-                "init": "wanda",
-                "until": learn_steps,
-                "mask_lr": lr,
-                "train_weights": train_weights,
-            }
-            found[label] = [learned, {**TWO_FOUR, "algorithm": "static"}]
+    for entry in learned:
+        lr, weights = entry.split(":")
+        label = f"learned {learn_steps} steps, mask_lr {lr}, weights {weights}"
+        phase = {
+            **TWO_FOUR,
+            "algorithm": "learned",
+            "init": "wanda",
+            "until": learn_steps,
+            # mask_lr must be positive: 1e-30 moves no logit
+            "mask_lr": max(float(lr), 1e-30),
+            "train_weights": weights == "train",
+        }
+        found[label] = [phase, {**TWO_FOUR, "algorithm": "static"}]
     return found
 
 
 def prune(
-    seed: int, ckpt: Path, phases: list[dict[str, Any]], steps: int, lr: float
-) -> tuple[float, float, float]:
-    """Validation loss right after the mask is fixed, after ``steps`` steps, and seconds."""
+    seed: int,
+    ckpt: Path,
+    phases: list[dict[str, Any]],
+    steps: int,
+    learn_steps: int,
+    lr: float,
+) -> tuple[float, float, float, float]:
+    """Validation loss right after the mask is fixed (at step 0, or where the learned phase
+    ends), at step ``learn_steps``, after ``steps`` steps; and the seconds it took."""
     L.seed_everything(seed, verbose=False)
     model = GPTLanguageModel(preset="tiny", lr=lr)
     model.load_state_dict(export_state_dict(ckpt))  # weights only: no trainer state
     text = data(seed)
-    learned = phases[0].get("until", 0)
-    loss = FixedAt(text, learned)
+    loss = FixedAt(text, learn_steps)
     sparsity = SparsityCallback(phases=phases, verbose=False)
     started = time.perf_counter()
     trainer(steps, [sparsity, loss]).fit(model, text)
-    return loss.fixed, loss.end, time.perf_counter() - started
+    fixed = loss.at_step if phases[0]["algorithm"] == "learned" else loss.start
+    return fixed, loss.at_step, loss.end, time.perf_counter() - started
 
 
 def cell(values: list[float]) -> str:
@@ -118,14 +123,14 @@ def cell(values: list[float]) -> str:
 
 
 def pruning(args: argparse.Namespace) -> None:
-    runs = variants(args.learn_steps, args.mask_lrs)
+    runs = variants(args.learn_steps, args.learned)
     header = [
         "masks (2:4, all block linears)",
         "val/loss right after the mask is fixed",
+        f"at step {args.learn_steps}",
         f"after {args.steps} steps in all",
-        "seconds",
     ]
-    by_label: dict[str, list[tuple[float, float]]] = {}
+    by_label: dict[str, list[tuple[float, ...]]] = {}
     args.dense_dir.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         ckpt = args.dense_dir / f"dense_seed{seed}.ckpt"
@@ -133,22 +138,23 @@ def pruning(args: argparse.Namespace) -> None:
             train_dense(seed, args.dense_steps, ckpt)
         rows = []
         for label, phases in runs.items():
-            fixed, end, seconds = prune(seed, ckpt, phases, args.steps, args.lr)
-            by_label.setdefault(label, []).append((fixed, end))
-            rows.append([label, f"{fixed:.4f}", f"{end:.4f}", f"{seconds:.0f}"])
+            *losses, seconds = prune(
+                seed, ckpt, phases, args.steps, args.learn_steps, args.lr
+            )
+            by_label.setdefault(label, []).append(tuple(losses))
+            rows.append([label, *(f"{v:.4f}" for v in losses)])
             print(
-                f"seed {seed} | {label}: {fixed:.4f} -> {end:.4f} ({seconds:.0f} s)",
-                flush=True,
+                f"seed {seed} | {label}: {rows[-1][1:]} ({seconds:.0f} s)", flush=True
             )
         print(f"\nseed {seed}: dense model {ckpt}")
         print(markdown_table(header, rows), flush=True)
     if len(args.seeds) > 1:
         print(f"\nseeds {args.seeds}: mean ± sample std (per seed)")
         rows = [
-            [label, cell([f for f, _ in losses]), cell([e for _, e in losses])]
+            [label, *(cell([v[i] for v in losses]) for i in range(3))]
             for label, losses in by_label.items()
         ]
-        print(markdown_table(header[:3], rows))
+        print(markdown_table(header, rows))
 
 
 class StepTimer(L.Callback):
@@ -218,7 +224,12 @@ def main() -> None:
         "--steps", type=int, default=100, help="total steps per variant"
     )
     parser.add_argument("--learn-steps", type=int, default=30)
-    parser.add_argument("--mask-lrs", type=float, nargs="+", default=[5e-4, 5e-3, 5e-2])
+    parser.add_argument(
+        "--learned",
+        nargs="+",
+        default=LEARNED,
+        help="learned variants as mask_lr:frozen or mask_lr:train",
+    )
     parser.add_argument("--lr", type=float, default=5e-4, help="fine-tuning peak lr")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--step-time", action="store_true", help="time steps instead")

@@ -62,7 +62,8 @@ class SparsityCallback(Callback):
             one ``state_key`` when the Trainer is built) and disjoint parameters.
         log_every_n_steps: how often target/actual sparsity and the flip rate (the fraction of
             mask entries the last optimizer step changed) go to the loggers (default: the
-            trainer's ``log_every_n_steps``).
+            trainer's ``log_every_n_steps``); in a learned phase, also the fraction of N:M
+            groups changed from the prior and the mean pattern entropy.
         verbose: print the plan table at fit start and a summary at the end.
         verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
             layer shape at fit start, and keep dense math where the sparse kernel is slower.

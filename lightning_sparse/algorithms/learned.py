@@ -11,7 +11,8 @@ toward that most likely pattern, which the next sparse phase starts from.
 
 The logits start from a prior mask (``init``: magnitude by default, or ``wanda``): small random
 logits plus ``prior_strength`` times their standard deviation for every weight a candidate keeps
-in common with the prior. They train with an Adam optimizer of their own (``mask_lr``), stepped
+in common with the prior (at the default strength of 3, the noise puts about 6% of the groups
+on another pattern than the prior's, as MaskLLM's initialisation does). They train with an Adam optimizer of their own (``mask_lr``), stepped
 once per optimizer step of the run; a sparse-weight regulariser (``weight_reg``, decaying
 linearly to zero over the phase) adds the gradient of ``-weight_reg * sum(|W * mask|^2)``, which
 favours patterns that keep large weights (MaskLLM's remedy for vanishing gradients). The Gumbel
@@ -29,14 +30,15 @@ Example:
     >>> from lightning_sparse.algorithms import MaskContext, build_algorithm
     >>> phase = resolve_phases([Phase(sparsity="2:4", algorithm="learned")], total_steps=10)[0]
     >>> algo = build_algorithm(phase)
-    >>> w = torch.randn(4, 8)
+    >>> w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     >>> prior = algo.initial_mask(w, phase.target, MaskContext("w", 0, 0))
     >>> algo.begin(0, {"w": prior})
-    >>> torch.equal(algo.most_likely("w"), prior)  # the prior wins at the start
-    True
+    >>> changed, groups, entropy = algo.statistics("w")  # the initial noise moves a few groups
+    >>> groups, round(changed / groups, 2), algo.most_likely("w").shape
+    (1024, 0.06, torch.Size([64, 64]))
     >>> soft = algo.sample("w", training=True)
-    >>> soft.shape, bool(soft.requires_grad), algo.temperature_at(0), algo.temperature_at(10)
-    (torch.Size([4, 8]), True, 4.0, 0.05)
+    >>> bool(soft.requires_grad), algo.temperature_at(0), algo.temperature_at(10)
+    (True, 4.0, 0.05)
 """
 
 from __future__ import annotations

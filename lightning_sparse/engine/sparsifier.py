@@ -588,7 +588,11 @@ class Sparsifier:
             self.handed,
         )
         learned = self._learned_state(restore.saved.phase, restore.masks, state)
-        reports = read_reports(self.name, state.get("learned_reports"), self.phases)
+        reports = (  # another schedule's phases have no report here
+            {}
+            if restore.masks is None
+            else read_reports(self.name, state.get("learned_reports"), self.phases)
+        )
         if restore.note is not None:
             self.log(restore.note)
         self._leave()
