@@ -444,12 +444,10 @@ def test_convolutions_learn_nm_masks_along_input_channels():
     assert sum(sp.learned_statistics().values()) > 0
 
 
-def test_logged_statistics_and_the_plan_table():
+def test_logged_statistics_the_start_and_end_lines_and_the_tables(lightning_log):
     log = MetricsLog()
     L.seed_everything(0, verbose=False)
-    cb = SparsityCallback(
-        phases=[{**LEARN, "until": 2}, {"sparsity": 0.0}], verbose=False
-    )
+    cb = SparsityCallback(phases=[{**LEARN, "until": 2}, {"sparsity": 0.0}])
     trainer = fast_trainer(max_steps=3, callbacks=[cb], logger=log, log_every_n_steps=1)
     trainer.fit(build("gpt"), DataLoader(SameTokens(), batch_size=4))
     entropy = log.series("sparsity/sparsity/pattern_entropy")
@@ -458,9 +456,18 @@ def test_logged_statistics_and_the_plan_table():
     assert sorted(entropy) == sorted(changed) == [0, 1, 2]
     assert all(0 < e < math.log(6) for e in entropy.values())
     assert all(0 <= c <= 1 for c in changed.values())
-    table = plan_table(cb.sparsifier, cb.selection)
-    assert "learns 2:4 masks: 6 fp32 logits per group of 4" in table
-    assert "a learned mask is a differentiable sample" in table
+    text = lightning_log.text
+    # the fit-start table's cost line, then per layer where the logits start and end
+    assert "learns 2:4 masks: 6 fp32 logits per group of 4" in text
+    assert "a learned mask is a differentiable sample" in text
+    assert "step 0: phase 1 learns 2:4 masks of 4 parameters (weights training)" in text
+    assert "step 2: phase 1 learned its masks" in text
+    for t in cb.sparsifier.targets:  # at the start, and in the summary
+        assert (
+            text.count(f"{t.name}: ") >= 2 and "groups changed from the prior" in text
+        )
+    assert "phase 1 learned masks:" in text
+    assert plan_table(cb.sparsifier, cb.selection) in text
 
 
 @pytest.mark.parametrize(
@@ -547,3 +554,36 @@ def test_the_pattern_table():
     table = candidate_patterns(NM(2, 4))
     assert table.shape == (6, 4) and bool((table.sum(-1) == 2).all())
     assert len({tuple(row.tolist()) for row in table}) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_learned_masks_on_a_gpu_in_bf16_are_reproducible_and_valid():
+    """On a CUDA GPU under bf16 autocast the learned phase runs and hands on valid 2:4 masks,
+    and two runs agree bit for bit (the Gumbel noise comes from the GPU's seeded generator)."""
+
+    def run() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        L.seed_everything(0, verbose=False)
+        cb = SparsityCallback(
+            phases=[
+                {**LEARN, "until": 3, "mask_lr": 0.05},
+                {"sparsity": "2:4", "algorithm": "static"},
+            ],
+            verbose=False,
+        )
+        trainer = L.Trainer(
+            accelerator="cuda", devices=1, precision="bf16-mixed", max_steps=5,
+            callbacks=[cb], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+        )  # fmt: skip
+        model = build("gpt")
+        trainer.fit(model, DataLoader(SameTokens(), batch_size=4))
+        masks = {k: v.cpu() for k, v in cb.sparsifier.state_dict()["masks"].items()}
+        return masks, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    masks, weights = run()
+    again, weights_again = run()
+    assert all(torch.equal(masks[k], again[k]) for k in masks)
+    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
+    for mask in masks.values():
+        assert is_nm(mask, NM(2, 4)) and int(mask.sum()) * 2 == mask.numel()

@@ -31,22 +31,23 @@ def logit_bytes(groups: int, candidates: int) -> int:
     return 4 * 4 * groups * candidates
 
 
-def describe_start(name: str, algo: Learned, step: int) -> str:
-    """The log line of a learned phase that starts at ``step``: what it learns, what it
-    costs, and where its logits stand."""
+def describe_start(name: str, algo: Learned, step: int, resumed: bool = False) -> str:
+    """The log lines of a learned phase that starts (or, ``resumed``, goes on) at ``step``:
+    what it learns, what it costs, and where each layer's logits stand."""
     groups = sum(math.prod(shape) for shape in algo.shapes.values()) // algo.target.m
     candidates = candidate_count(algo.target)
-    stats = [algo.statistics(param) for param in algo.logits]
-    entropy = sum(g * e for _, g, e in stats) / max(groups, 1)
+    report = {param: algo.statistics(param) for param in algo.logits}
     frozen = "frozen" if not algo.train_weights else "training"
-    return (
-        f"[{name}] step {step}: phase {algo.phase.index + 1} learns {algo.target} masks of "
-        f"{len(algo.shapes)} parameters ({frozen}): {groups} groups of {algo.target.m}, "
-        f"{candidates} logits each ({logit_bytes(groups, candidates) / 2**20:.2f} MiB with "
-        f"their gradient and Adam state), prior init={algo.init!r} at strength "
-        f"{algo.prior_strength:g}, mean pattern entropy {entropy:.2f} nats (uniform: "
-        f"{math.log(candidates):.2f})"
+    how = "goes on learning" if resumed else "learns"
+    head = (
+        f"[{name}] step {step}: phase {algo.phase.index + 1} {how} {algo.target} masks of "
+        f"{len(algo.shapes)} parameters (weights {frozen}): {groups} groups of "
+        f"{algo.target.m}, {candidates} logits each "
+        f"({logit_bytes(groups, candidates) / 2**20:.2f} MiB with their gradient and Adam "
+        f"state), prior init={algo.init!r} at strength {algo.prior_strength:g}; pattern "
+        f"entropy of a uniform distribution: {math.log(candidates):.2f} nats"
     )
+    return "\n".join([head] + [f"  {line}" for line in layer_lines(report)])
 
 
 def summarize(

@@ -614,6 +614,7 @@ class Sparsifier:
             algo = self.algorithms[index]  # type: ignore[index]
             assert isinstance(algo, Learned)
             algo.restore(learned, algo.phase.start if step is None else step)
+            self.log(describe_start(self.name, algo, algo.step, resumed=True))
         return None
 
     def _learned_state(
