@@ -401,6 +401,32 @@ def test_train_weights_false_leaves_the_selected_weights_as_they_are():
     assert set(moved) - names  # the rest of the model trained
 
 
+@pytest.mark.parametrize("train_weights", [True, "dense"])
+def test_the_weights_learn_from_the_masked_or_the_dense_gradient(train_weights):
+    """``train_weights: true``: the weight's gradient is the product's, the gradient of the
+    masked weight times the sampled mask; ``"dense"``: that gradient unmasked
+    (straight-through), so the weights the mask leaves out keep learning."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    targets = select_parameters(net, params=["0.weight"]).targets
+    phase = Phase(**LEARN, train_weights=train_weights)
+    sp = Sparsifier("g", targets, resolve_phases([phase], 10))
+    sp.on_step_start(0, [])
+    sp.on_step_start(9, [])  # the last step: samples close to the most likely patterns
+    x = torch.randn(5, 16)
+    net(x).square().sum().backward()
+    algo = sp.algorithm
+    soft = algo.sample("0.weight", training=True).detach()  # the same sample: same step
+    masked = (net[0].weight * soft).detach().requires_grad_(True)
+    net[2](torch.tanh(x @ masked.T + net[0].bias)).square().sum().backward()
+    expected = masked.grad if train_weights == "dense" else masked.grad * soft
+    assert torch.allclose(net[0].weight.grad, expected, atol=1e-6)
+    left_out = soft < 1e-6  # (nearly) every weight the sample drops
+    assert bool((net[0].weight.grad[left_out].abs() > 1e-4).any()) == (
+        train_weights == "dense"
+    )
+
+
 def test_the_regulariser_favours_patterns_that_keep_large_weights():
     """With only the sparse-weight regulariser (no loss), every group's most likely pattern
     becomes the one that keeps its two largest weights."""
@@ -495,6 +521,11 @@ def test_logged_statistics_the_start_and_end_lines_and_the_tables(lightning_log)
             r"mask_lr='fast' is not a number",
         ),
         ({"sparsity": "2:4", "hard": "yes"}, TypeError, r"hard='yes' has type str"),
+        (
+            {"sparsity": "2:4", "train_weights": "sparse"},
+            TypeError,
+            r"train_weights='sparse'.*use true or false, or 'dense'",
+        ),
         (
             {"sparsity": "2:4", "decay": 2e-4},
             ValueError,

@@ -106,9 +106,10 @@ class Learned(SparsityAlgorithm):
     Options (all optional): ``temperature`` and ``logit_scale`` (a number, or ``[start, end]``
     annealed linearly over the phase), ``prior_strength`` (>= 0), ``mask_lr`` (> 0, the logits'
     Adam learning rate), ``weight_reg`` (>= 0), ``hard`` (straight-through Gumbel samples
-    instead of soft ones), ``train_weights`` (``false``: the selected weights stay as they are,
-    MaskLLM's setting), ``init`` (the prior: ``topk``, ``wanda``, ``random``, ``from_zeros``)
-    and ``seed``.
+    instead of soft ones), ``train_weights`` (``true``: the selected weights train with the
+    gradient of the masked product; ``"dense"``: with the dense gradient, straight-through;
+    ``false``: they stay as they are, MaskLLM's setting), ``init`` (the prior: ``topk``,
+    ``wanda``, ``random``, ``from_zeros``) and ``seed``.
 
     Example:
         >>> from lightning_sparse import SparsityCallback
@@ -160,7 +161,7 @@ class Learned(SparsityAlgorithm):
         self.mask_lr: float = options["mask_lr"]
         self.weight_reg: float = options["weight_reg"]
         self.hard: bool = options["hard"]
-        self.train_weights: bool = options["train_weights"]
+        self.train_weights: bool | str = options["train_weights"]
         assert isinstance(phase.target, NM)
         self.target: NM = phase.target
         self.step = phase.start  #: the optimizer step the forwards belong to
@@ -411,11 +412,14 @@ def _options(spec: Phase, where: str) -> dict[str, Any]:
             options[key] = _number(value, f"{where}.{key}", minimum, positive=False)
     if spec.mask_lr is not None:
         options["mask_lr"] = _number(spec.mask_lr, f"{where}.mask_lr", 0.0, True)
-    for key in ("hard", "train_weights"):
+    for key, dense in (("hard", ""), ("train_weights", ", or 'dense'")):
         value = getattr(spec, key)
-        if value is not None and not isinstance(value, bool):
+        if value is not None and not (
+            isinstance(value, bool) or (dense and value == "dense")
+        ):
             raise TypeError(
-                f"{where}.{key}={value!r} has type {type(value).__name__}: use true or false"
+                f"{where}.{key}={value!r} has type {type(value).__name__}: use true or "
+                f"false{dense}"
             )
         if value is not None:
             options[key] = value

@@ -37,15 +37,19 @@ from lightning_sparse.masks.tiles import TILE_KERNEL_DTYPES
 
 
 class _StraightThroughMask(torch.autograd.Function):
-    """``weight * mask`` forward; the gradient passes to the dense weight unmasked."""
+    """``weight * mask`` forward; the gradient passes to the dense weight unmasked (and to a
+    mask that requires one, a learned mask, as the product gives it: ``grad * weight``)."""
 
     @staticmethod
     def forward(ctx, weight: Tensor, mask: Tensor) -> Tensor:  # type: ignore[override]
+        if ctx.needs_input_grad[1]:
+            ctx.save_for_backward(weight)
         return weight * mask
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return grad, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None]:  # type: ignore[override]
+        mask_grad = grad * ctx.saved_tensors[0] if ctx.needs_input_grad[1] else None
+        return grad, mask_grad
 
 
 def straight_through_mask(weight: Tensor, mask: Tensor) -> Tensor:
@@ -80,9 +84,14 @@ class SparseForwardMixin:
 def sampled_mask(
     weight: Tensor, sample: Callable[[bool], Tensor], training: bool
 ) -> Tensor:
-    """``weight * sample(training)``, the plain product: its gradient reaches the weight
-    (times the mask) and the sampled mask, hence the parameters it was drawn from."""
-    return weight * sample(training).to(weight.dtype)
+    """``weight * sample(training)``: its gradient reaches the sampled mask, hence the
+    parameters it was drawn from, and the weight, times the mask (the product's own
+    gradient) or, where ``sample`` has a true ``dense_gradient`` attribute, unmasked
+    (straight-through, as :func:`straight_through_mask`)."""
+    mask = sample(training).to(weight.dtype)
+    if getattr(sample, "dense_gradient", False):
+        return straight_through_mask(weight, mask)
+    return weight * mask
 
 
 def matmul_dtype(input: Tensor, weight: Tensor) -> torch.dtype:

@@ -263,8 +263,10 @@ class Phase:
             large weights (default 1e-5, decaying to 0 over the phase).
         hard: ``learned`` forwards use the sampled pattern itself, with the soft sample's
             gradient (straight-through Gumbel), instead of the soft sample (default false).
-        train_weights: whether the selected weights train during a ``learned`` phase (default
-            true; false: only the masks learn, as in MaskLLM).
+        train_weights: whether the selected weights train during a ``learned`` phase: true
+            (default: with the gradient of the masked weight), ``"dense"`` (with the dense
+            gradient, straight-through, so weights the mask leaves out keep learning) or
+            false (only the masks learn, as in MaskLLM).
         options: extra options for a custom algorithm.
 
     Example:
@@ -295,7 +297,7 @@ class Phase:
     mask_lr: float | None = None
     weight_reg: float | None = None
     hard: bool | None = None
-    train_weights: bool | None = None
+    train_weights: bool | str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -294,6 +294,11 @@ class LearnedSample:
     name: str
     layer: LayerType
 
+    @property
+    def dense_gradient(self) -> bool:
+        """Whether the weight learns from the dense gradient (``train_weights: dense``)."""
+        return self.algo.train_weights == "dense"  # type: ignore[attr-defined]
+
     @torch.compiler.disable
     def __call__(self, training: bool) -> Tensor:
         return self.layer.from_rows(self.algo.sample(self.name, training))  # type: ignore[attr-defined]

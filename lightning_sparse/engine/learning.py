@@ -37,7 +37,9 @@ def describe_start(name: str, algo: Learned, step: int, resumed: bool = False) -
     groups = sum(math.prod(shape) for shape in algo.shapes.values()) // algo.target.m
     candidates = candidate_count(algo.target)
     report = {param: algo.statistics(param) for param in algo.logits}
-    frozen = "frozen" if not algo.train_weights else "training"
+    frozen = {False: "frozen", True: "training", "dense": "training, dense gradient"}[
+        algo.train_weights
+    ]
     how = "goes on learning" if resumed else "learns"
     head = (
         f"[{name}] step {step}: phase {algo.phase.index + 1} {how} {algo.target} masks of "

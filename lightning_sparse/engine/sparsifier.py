@@ -442,7 +442,7 @@ class Sparsifier:
         state, as they are); once per optimizer step, the logits' gradients are averaged over
         the ranks and the logits take their step (skipped, and logged, if a gradient is not
         finite, as a GradScaler skips the run's step)."""
-        if not algo.train_weights:
+        if algo.train_weights is False:
             for t in owned_by(self.targets, optimizer):
                 t.param.grad = None
         if step == self._learned_step:
