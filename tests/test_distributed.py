@@ -69,7 +69,12 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
     # gradients are averaged over the ranks, their Gumbel noise is drawn from the seed
     (
         "learned 2:4",
-        {"sparsity": "2:4", "algorithm": "learned", "prior_strength": 0, "mask_lr": 0.05},
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "prior_strength": 0,
+            "mask_lr": 0.05,
+        },
         True,
     ),
 ]
