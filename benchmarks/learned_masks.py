@@ -184,6 +184,9 @@ def step_time(args: argparse.Namespace) -> None:
         "learned 2:4, weights frozen": [
             {**TWO_FOUR, "algorithm": "learned", "train_weights": False}
         ],
+        "learned 2:4, dense weight gradient": [
+            {**TWO_FOUR, "algorithm": "learned", "train_weights": "dense"}
+        ],
     }
     times: dict[str, list[float]] = {name: [] for name in setups}
     for _ in range(args.repeats):

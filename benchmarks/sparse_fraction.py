@@ -31,11 +31,14 @@ a table (first, peak, last; mean over the seeds) and, with ``--flip-plot``, draw
 
 With ``--schedules learned``: 2:4 for 70% of the run, then dense, with masks re-derived at
 every forward (``runtime``) or learned (``algorithm: learned``, its defaults: logits from the
-magnitude prior, trained with the weights).
+magnitude prior, trained with the weights, which learn from the masked product's gradient, or
+with ``train_weights: dense`` from the dense one).
 
     python benchmarks/sparse_fraction.py                      # 30 runs, ~25-35 min on 2 cores
     python benchmarks/sparse_fraction.py --schedules decay --flip-plot docs/flip_rate.png
-    python benchmarks/sparse_fraction.py --schedules learned            # 12 runs, ~15 min
+    python benchmarks/sparse_fraction.py --schedules learned            # 18 runs, ~30 min
+    python benchmarks/sparse_fraction.py --models gpt --schedules \
+        "learned 2:4 (no prior, mask_lr 5e-3) for 70%, then dense"      # 3 runs, ~9 min
     python benchmarks/sparse_fraction.py --models hf --schedules dense "2:4 for 70%, then dense" \
         "2:4 always (100%)"                                       # the HF GPT-2 demo, 9 runs
     python benchmarks/sparse_fraction.py --seeds 1 --vit-epochs 2 --gpt-steps 40   # smoke test
@@ -90,6 +93,25 @@ SCHEDULES: dict[str, list[dict[str, Any]] | None] = {
         {"sparsity": "2:4", "algorithm": "learned", "until": 0.7},
         {"sparsity": 0.0},
     ],
+    "learned 2:4 (dense gradient) for 70%, then dense": [
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "train_weights": "dense",
+            "until": 0.7,
+        },
+        {"sparsity": 0.0},
+    ],
+    "learned 2:4 (no prior, mask_lr 5e-3) for 70%, then dense": [
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "prior_strength": 0.0,
+            "mask_lr": 5e-3,
+            "until": 0.7,
+        },
+        {"sparsity": 0.0},
+    ],
 }
 MASKED_DECAY = [
     "dense",
@@ -99,8 +121,13 @@ MASKED_DECAY = [
     "2:4 always + decay",
 ]
 """The schedules of ``--schedules decay``: 2:4 with and without masked decay (SR-STE)."""
-LEARNED = ["2:4 for 70%, then dense", "learned 2:4 for 70%, then dense"]
-"""The schedules of ``--schedules learned``: 2:4 by ``runtime`` and by ``learned`` masks."""
+LEARNED = [
+    "2:4 for 70%, then dense",
+    "learned 2:4 for 70%, then dense",
+    "learned 2:4 (dense gradient) for 70%, then dense",
+]
+"""The schedules of ``--schedules learned``: 2:4 by ``runtime`` and by ``learned`` masks, the
+weights trained with the masked product's gradient or the dense one."""
 PARAMS = {
     "vit": ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"],
     "gpt": ["transformer.h.*.mlp.c_fc.weight", "transformer.h.*.mlp.c_proj.weight"],
