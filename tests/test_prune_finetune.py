@@ -137,7 +137,9 @@ def test_init_from_a_file_of_another_model_or_no_file_ends_with_the_reason(
         SparseCLI(args=["validate", *common[1:], f"--init_from={dense_checkpoint}"])
 
 
-def test_learn_masks_fix_them_fine_tune_and_export_compressed(dense_checkpoint, tmp_path):
+def test_learn_masks_fix_them_fine_tune_and_export_compressed(
+    dense_checkpoint, tmp_path
+):
     """recipes/gpt/learn_masks_cpu.yaml: masks learned for 30 steps from Wanda's prior with the
     weights frozen, then fixed (static) and fine-tuned; the export holds the learned 2:4
     masks as it holds any other phase's."""
@@ -157,7 +159,9 @@ def test_learn_masks_fix_them_fine_tune_and_export_compressed(dense_checkpoint, 
     )
     trainer = cli.trainer
     sparsity = next(c for c in trainer.callbacks if isinstance(c, SparsityCallback))
-    start = next(c for c in trainer.callbacks if isinstance(c, WeightsAtTrainStart)).weights
+    start = next(
+        c for c in trainer.callbacks if isinstance(c, WeightsAtTrainStart)
+    ).weights
     assert trainer.global_step == 34
     assert sparsity.sparsifier.history == [(0, 0), (30, 1)]
     masks = sparsity.sparsifier.masks
@@ -166,7 +170,9 @@ def test_learn_masks_fix_them_fine_tune_and_export_compressed(dense_checkpoint, 
     exported = export_state_dict(trainer)
     for name, mask in masks.items():
         assert is_nm(mask, NM(2, 4)), name
-        assert torch.equal(start[name], dense[name]), name  # straight-through: stored dense
+        assert torch.equal(start[name], dense[name]), (
+            name
+        )  # straight-through: stored dense
         assert torch.equal(exported[name], exported[name] * mask), name
         assert not torch.equal(exported[name], dense[name] * mask), name  # fine-tuned
     loaded = load_compressed(export)
