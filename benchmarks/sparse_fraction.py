@@ -29,8 +29,16 @@ With ``--schedules decay`` the five schedules are 2:4 with and without masked de
 (``decay: 2e-4``, SR-STE) against dense; every run logs the flip rate every 25 steps, printed as
 a table (first, peak, last; mean over the seeds) and, with ``--flip-plot``, drawn.
 
+With ``--schedules learned``: 2:4 for 70% of the run, then dense, with masks re-derived at
+every forward (``runtime``) or learned (``algorithm: learned``, its defaults: logits from the
+magnitude prior, trained with the weights, which learn from the masked product's gradient, or
+with ``train_weights: dense`` from the dense one).
+
     python benchmarks/sparse_fraction.py                      # 30 runs, ~25-35 min on 2 cores
     python benchmarks/sparse_fraction.py --schedules decay --flip-plot docs/flip_rate.png
+    python benchmarks/sparse_fraction.py --schedules learned            # 18 runs, ~30 min
+    python benchmarks/sparse_fraction.py --models gpt --schedules \
+        "learned 2:4 (no prior, mask_lr 5e-3) for 70%, then dense"      # 3 runs, ~9 min
     python benchmarks/sparse_fraction.py --models hf --schedules dense "2:4 for 70%, then dense" \
         "2:4 always (100%)"                                       # the HF GPT-2 demo, 9 runs
     python benchmarks/sparse_fraction.py --seeds 1 --vit-epochs 2 --gpt-steps 40   # smoke test
@@ -81,6 +89,29 @@ SCHEDULES: dict[str, list[dict[str, Any]] | None] = {
         {"sparsity": 0.0},
     ],
     "2:4 always + decay": [{"sparsity": "2:4", "decay": DECAY}],
+    "learned 2:4 for 70%, then dense": [
+        {"sparsity": "2:4", "algorithm": "learned", "until": 0.7},
+        {"sparsity": 0.0},
+    ],
+    "learned 2:4 (dense gradient) for 70%, then dense": [
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "train_weights": "dense",
+            "until": 0.7,
+        },
+        {"sparsity": 0.0},
+    ],
+    "learned 2:4 (no prior, mask_lr 5e-3) for 70%, then dense": [
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "prior_strength": 0.0,
+            "mask_lr": 5e-3,
+            "until": 0.7,
+        },
+        {"sparsity": 0.0},
+    ],
 }
 MASKED_DECAY = [
     "dense",
@@ -90,6 +121,13 @@ MASKED_DECAY = [
     "2:4 always + decay",
 ]
 """The schedules of ``--schedules decay``: 2:4 with and without masked decay (SR-STE)."""
+LEARNED = [
+    "2:4 for 70%, then dense",
+    "learned 2:4 for 70%, then dense",
+    "learned 2:4 (dense gradient) for 70%, then dense",
+]
+"""The schedules of ``--schedules learned``: 2:4 by ``runtime`` and by ``learned`` masks, the
+weights trained with the masked product's gradient or the dense one."""
 PARAMS = {
     "vit": ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"],
     "gpt": ["transformer.h.*.mlp.c_fc.weight", "transformer.h.*.mlp.c_proj.weight"],
@@ -273,13 +311,18 @@ def main() -> None:
         nargs="+",
         default=["fraction"],
         help="schedule names, or 'fraction' (the sparse fraction study: the first five) "
-        "or 'decay' (2:4 with and without masked decay)",
+        "or 'decay' (2:4 with and without masked decay) or 'learned' (2:4 by runtime "
+        "and by learned masks)",
     )
     parser.add_argument(
         "--flip-plot", help="write the mean flip rate over training to this PNG file"
     )
     args = parser.parse_args()
-    groups = {"fraction": list(SCHEDULES)[:5], "decay": MASKED_DECAY}
+    groups = {
+        "fraction": list(SCHEDULES)[:5],
+        "decay": MASKED_DECAY,
+        "learned": LEARNED,
+    }
     schedules = [s for name in args.schedules for s in groups.get(name, [name])]
     for name in schedules:
         if name not in SCHEDULES:

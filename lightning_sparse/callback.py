@@ -66,7 +66,8 @@ class SparsityCallback(Callback):
             one ``state_key`` when the Trainer is built) and disjoint parameters.
         log_every_n_steps: how often target/actual sparsity and the flip rate (the fraction of
             mask entries the last optimizer step changed) go to the loggers (default: the
-            trainer's ``log_every_n_steps``).
+            trainer's ``log_every_n_steps``); in a learned phase, also the fraction of N:M
+            groups changed from the prior and the mean pattern entropy.
         verbose: print the plan table at fit start and a summary at the end.
         verify_speed: with ``backend="auto"``, time sparse against dense once per distinct
             layer shape on a 2:4 kernel at fit start (seconds), and keep dense math where the
@@ -467,6 +468,8 @@ class SparsityCallback(Callback):
             f"sparsity/{self.name}/actual": self.sparsifier.actual_sparsity(),
             f"sparsity/{self.name}/phase": float(_phase_number(self.sparsifier)),
         }
+        for key, value in self.sparsifier.learned_statistics().items():
+            metrics[f"sparsity/{self.name}/{key}"] = value
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

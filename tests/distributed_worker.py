@@ -101,10 +101,13 @@ class MaskHashes(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         sp = self.sparsity.sparsifier
-        masks = sp.state_dict()["masks"]  # whole masks (gathered when sharded)
+        state = sp.state_dict()
+        masks = state["masks"]  # whole masks (gathered when sharded)
+        logits = state.get("learned", {}).get("logits", {})  # after this step's update
         self.steps[trainer.global_step] = {
             "phase": None if sp.current is None else sp.current.index,
             "masks": {k: tensor_hash(m) for k, m in sorted(masks.items())},
+            "logits": {k: tensor_hash(v) for k, v in sorted(logits.items())},
             "kept": {k: int(m.sum()) for k, m in sorted(masks.items())},
             "sharded": any(is_sharded(t.param) for t in sp.targets),
             # what a user exporting now would get (gathered and folded on every rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -309,12 +310,16 @@ def resumable_fit(
     stop_at: int | None = None,
     ckpt_path: Any = None,
     seed: int = 0,
-) -> TinyModule:
-    """Fit a :class:`TinyModule` on identical batches (see :class:`RepeatedBatch`) for
+    model: Callable[[], L.LightningModule] | None = None,
+    loader: DataLoader | None = None,
+) -> L.LightningModule:
+    """Fit a :class:`TinyModule` (or ``model()``, built after seeding) on identical batches
+    (see :class:`RepeatedBatch`; or ``loader``, which should repeat one batch too) for
     ``max_steps``; with ``stop_at``, stop after that step, writing ``step=<stop_at>.ckpt`` in
-    ``tmp_path``; with ``ckpt_path``, resume from it. Returns the model."""
+    ``tmp_path``; with ``ckpt_path``, resume from it. Returns the model (its ``trainer``
+    attribute is the trainer that fit it)."""
     L.seed_everything(seed, verbose=False)
-    model = TinyModule(lr=0.05, weight_decay=0.1)
+    module = TinyModule(lr=0.05, weight_decay=0.1) if model is None else model()
     callbacks = list(callbacks)
     if stop_at:
         checkpoint = ModelCheckpoint(
@@ -330,9 +335,10 @@ def resumable_fit(
         callbacks=callbacks,
         enable_checkpointing=bool(stop_at),
     )
-    loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
-    return model
+    if loader is None:
+        loader = DataLoader(RepeatedBatch(n=24, batch_size=6), batch_size=6)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return module
 
 
 class WeightsAtTrainStart(L.Callback):

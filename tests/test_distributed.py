@@ -1,6 +1,7 @@
 """DDP and FSDP2 on 2 CPU processes (gloo): masks are identical on every rank, without ever being
 broadcast, after every kind of mask update (``init: wanda`` included, whose input norms each
-rank gathers from its own batches) and after a resume; FSDP2 masks on sharded parameters equal
+rank gathers from its own batches; learned masks, whose logits each rank trains) and after a
+resume; FSDP2 masks on sharded parameters equal
 the DDP masks at every step; so do the logged flip rates, and masked decay (on the 2:4 phase)
 keeps the weights of both strategies equal.
 
@@ -64,24 +65,39 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
     # each rank calibrates on its own batches: the norms are summed over the ranks
     ("wanda", {"sparsity": 0.5, "init": "wanda", "calibration_batches": 2}, False),
     ("wanda 2:4", {"sparsity": "2:4", "algorithm": "static", "init": "wanda"}, False),
+    # logits from random (no prior), fast enough to change the most likely patterns: their
+    # gradients are averaged over the ranks, their Gumbel noise is drawn from the seed
+    (
+        "learned 2:4",
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "prior_strength": 0,
+            "mask_lr": 0.05,
+        },
+        True,
+    ),
 ]
 
 
 # DDP resumes of a model whose parameter names sort out of model order (see
 # helpers.OutOfOrderModule): checkpoints every 3 steps; resumes in a hard-mask phase (rigl, step
-# 3), between updates of a straight-through one (magnitude, step 6; update at 8), and in a
-# runtime phase (step 12)
+# 3), between updates of a straight-through one (magnitude, step 6; update at 8), in a
+# runtime phase (step 12), and in a learned one (step 15: logits restored by name, then
+# handed to the static phase)
 BY_NAME: dict[str, Any] = {
     "phases": [
         {"sparsity": 0.5, "until": 2},
         {"sparsity": 0.5, "algorithm": "rigl", "update_every": 1, "until": 5},
         {"sparsity": 0.6, "algorithm": "magnitude", "update_every": 3, "until": 10},
         {"sparsity": "2:4", "until": 13},
+        {"sparsity": "2:4", "algorithm": "learned", "mask_lr": 0.05, "until": 17},
+        {"sparsity": "2:4", "algorithm": "static", "until": 19},
         {"sparsity": 0.0},
     ],
-    "max_steps": 14,
+    "max_steps": 20,
     "checkpoint_step": 3,
-    "resume_steps": [3, 6, 12],
+    "resume_steps": [3, 6, 12, 15],
 }
 
 
@@ -172,6 +188,11 @@ def check_job(reports: list[dict[str, Any]], config: dict[str, Any]) -> None:
             assert first["masks"] != last["masks"], f"{label}: masks never changed"
         changes = [flips[str(STEPS * i + j)] for j in range(STEPS)]
         assert (max(changes) > 0) == dynamic, (label, changes)
+        # the logits (equal on both ranks, as the whole record is) train at every step
+        learned = [full[str(STEPS * i + j)]["logits"] for j in range(STEPS)]
+        assert all(learned) == (label == "learned 2:4"), label
+        if all(learned):
+            assert len({str(logits) for logits in learned}) == STEPS, label
     assert full[str(total - 1)]["masks"] == {}  # the last phase is dense
 
 

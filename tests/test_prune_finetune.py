@@ -135,3 +135,50 @@ def test_init_from_a_file_of_another_model_or_no_file_ends_with_the_reason(
         SparseCLI(args=[*common, "--init_from=nowhere.ckpt"])
     with pytest.raises(SystemExit, match="export_to writes the model that fit trained"):
         SparseCLI(args=["validate", *common[1:], f"--init_from={dense_checkpoint}"])
+
+
+def test_learn_masks_fix_them_fine_tune_and_export_compressed(
+    dense_checkpoint, tmp_path
+):
+    """recipes/gpt/learn_masks_cpu.yaml: masks learned for 30 steps from Wanda's prior with the
+    weights frozen, then fixed (static) and fine-tuned; the export holds the learned 2:4
+    masks as it holds any other phase's."""
+    export = tmp_path / "out" / "model.safetensors"
+    cli = SparseCLI(
+        args=[
+            "fit",
+            f"--config={RECIPES / 'learn_masks_cpu.yaml'}",
+            f"--init_from={dense_checkpoint}",
+            f"--export_to={export}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=34",
+            "--trainer.val_check_interval=6",
+            "--trainer.callbacks+=helpers.WeightsAtTrainStart",
+            *TINY,
+        ]
+    )
+    trainer = cli.trainer
+    sparsity = next(c for c in trainer.callbacks if isinstance(c, SparsityCallback))
+    start = next(
+        c for c in trainer.callbacks if isinstance(c, WeightsAtTrainStart)
+    ).weights
+    assert trainer.global_step == 34
+    assert sparsity.sparsifier.history == [(0, 0), (30, 1)]
+    masks = sparsity.sparsifier.masks
+    assert len(masks) == 4
+    dense = export_state_dict(dense_checkpoint)
+    exported = export_state_dict(trainer)
+    for name, mask in masks.items():
+        assert is_nm(mask, NM(2, 4)), name
+        assert torch.equal(start[name], dense[name]), (
+            name
+        )  # straight-through: stored dense
+        assert torch.equal(exported[name], exported[name] * mask), name
+        assert not torch.equal(exported[name], dense[name] * mask), name  # fine-tuned
+    loaded = load_compressed(export)
+    assert all(torch.equal(loaded[k], exported[k]) for k in exported)
+    with safe_open(str(export), framework="pt") as f:
+        sparse = json.loads(f.metadata()["sparse"])
+    assert {name: sparse[name]["pattern"] for name in masks} == dict.fromkeys(
+        masks, "2:4"
+    )

@@ -66,15 +66,16 @@ def test_recipe_plans_through_the_cli(recipe, tmp_path, capsys):
     assert "Theoretical forward FLOP savings over the run" in out
     assert cli.trainer.global_step == 0
     # GPU recipes compile their model, with CUDA graphs where 2:4 kernels run (docs/recipes.md
-    # says why), per block without CUDA graphs under FSDP2 (docs/distributed.md); CPU recipes
-    # run eagerly
+    # says why; learned masks run masked math), per block without CUDA graphs under FSDP2
+    # (docs/distributed.md); CPU recipes run eagerly
     config = yaml.safe_load(recipe.read_text())
     compile = cli.model.hparams.get("compile", False)
+    kernels = '"2:4"' in recipe.read_text() and "learned" not in recipe.read_text()
     if config["trainer"].get("accelerator") != "gpu":
         assert compile is False
     elif "ModelParallelStrategy" in str(config["trainer"].get("strategy")):
         assert compile == "default"
-    elif '"2:4"' in recipe.read_text():
+    elif kernels:
         assert compile == "reduce-overhead"
     else:
         assert compile == "default"

@@ -13,6 +13,7 @@ from lightning_sparse.algorithms.base import (
 )
 from lightning_sparse.algorithms.drop_grow import SET, DropAndGrow, RigL
 from lightning_sparse.algorithms.gmp import GradualMagnitudePruning
+from lightning_sparse.algorithms.learned import Learned
 from lightning_sparse.algorithms.magnitude import Magnitude
 from lightning_sparse.algorithms.runtime import Runtime
 from lightning_sparse.algorithms.static import Static
@@ -37,12 +38,35 @@ def check_phases(phases: Sequence[Phase]) -> None:
             algorithm_class(phase.algorithm, f"{where}.algorithm").validate(
                 phase, where
             )
+            if i and hands_over(phases[i - 1], phase) and phase.init is not None:
+                raise ValueError(
+                    f"{where}: init={phase.init!r} does nothing: the phase starts from the "
+                    f"{phase.target} masks phases[{i - 1}] learned (algorithm "
+                    f"{phases[i - 1].algorithm!r}); remove init, or give the phases different "
+                    f"sparsities"
+                )
+
+
+def hands_over(before: Phase, after: Phase) -> bool:
+    """Whether phase ``after``, following ``before``, starts from the masks ``before``
+    learned: ``before`` is learned (:attr:`SparsityAlgorithm.learns`) and both keep the same
+    N:M pattern. A ``static`` phase then keeps those masks fixed, ``magnitude``, ``set`` and
+    ``rigl`` update them by their own rules, and ``runtime`` re-derives its masks at every
+    forward as always; a dense phase drops them.
+
+    >>> hands_over(Phase(sparsity="2:4", algorithm="learned"), Phase(sparsity="2:4", algorithm="static"))
+    True
+    """
+    if before.is_dense or after.is_dense or before.target != after.target:
+        return False
+    return algorithm_class(str(before.algorithm)).learns
 
 
 __all__ = [
     "SET",
     "DropAndGrow",
     "GradualMagnitudePruning",
+    "Learned",
     "Magnitude",
     "MaskContext",
     "RigL",
@@ -53,6 +77,7 @@ __all__ = [
     "algorithm_class",
     "build_algorithm",
     "check_phases",
+    "hands_over",
     "register_algorithm",
     "registered_algorithms",
 ]

@@ -2,11 +2,15 @@
 
 An algorithm is a pure rule ``(weight, current mask, target, context) -> new mask``. It never
 touches kernels, optimizers or modules: the :class:`~lightning_sparse.engine.sparsifier.Sparsifier`
-applies what it returns. Two families (see ``straight_through``):
+applies what it returns. Three families (see ``straight_through`` and ``learns``):
 
 - hard masks: pruned weights are stored as zeros, their gradients and optimizer state are masked;
 - straight-through: stored weights stay dense and learn from the dense gradient; every forward
-  uses the masked weight.
+  uses the masked weight;
+- learned (:mod:`~lightning_sparse.algorithms.learned`): the algorithm owns trainable logits
+  over each group's N:M patterns, with their own optimizer; every forward uses a
+  differentiable sample of the mask, and the most likely pattern is what the next phase starts
+  from.
 
 Custom algorithms subclass :class:`SparsityAlgorithm`, override :meth:`update_mask` (and set
 ``dynamic = True`` so it gets called), and register with :func:`register_algorithm`; the name
@@ -109,6 +113,10 @@ class SparsityAlgorithm:
         needs_grad: ``True`` if :meth:`update_mask` needs ``ctx.grad`` (the dense gradient).
         projects: ``True`` if every forward derives the mask from the weight (:meth:`project`);
             implies ``straight_through``.
+        learns: ``True`` for the learned family (:class:`~lightning_sparse.algorithms.Learned`):
+            the algorithm owns trainable parameters and their optimizer, its forwards draw a
+            differentiable mask, and the next sparse phase of the same target starts from its
+            most likely masks; implies ``straight_through``.
         layers_in_parallel: ``True`` if :meth:`update_mask_` (with everything it calls) may run
             for several layers at once on worker threads (CPU weights, when torch uses more
             than one thread; see :mod:`~lightning_sparse.engine.layer_threads`). Not inherited: a
@@ -137,6 +145,7 @@ class SparsityAlgorithm:
     supports_nm: ClassVar[bool] = True
     needs_grad: ClassVar[bool] = False
     projects: ClassVar[bool] = False
+    learns: ClassVar[bool] = False
     option_names: ClassVar[frozenset[str]] = frozenset(
         {"init", "seed", "distribution", "calibration_batches"}
     )
@@ -216,6 +225,16 @@ class SparsityAlgorithm:
                 f"{where}: update_stop (step {self.update_stop}) is before update_start "
                 f"(step {self.update_start})"
             )
+
+    @classmethod
+    def require_nm(cls, spec: Phase, where: str, does: str, fix: str) -> NM:
+        """``spec``'s target, which must be N:M for this algorithm (which ``does`` so);
+        otherwise a ``TypeError`` that ends with ``fix``."""
+        if not isinstance(spec.target, NM):
+            raise TypeError(
+                f"{where}: algorithm {cls.name!r} {does}, but sparsity={spec.target}; {fix}"
+            )
+        return spec.target
 
     @classmethod
     def accepted_options(cls) -> frozenset[str]:

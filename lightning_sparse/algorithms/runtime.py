@@ -39,12 +39,13 @@ class Runtime(SparsityAlgorithm):
     @classmethod
     def validate(cls, spec: Phase, where: str) -> None:
         super().validate(spec, where)
-        if not isinstance(spec.target, NM):
-            raise TypeError(
-                f"{where}: algorithm 'runtime' projects to an N:M pattern, but "
-                f"sparsity={spec.target}; use sparsity: '2:4', or algorithm 'magnitude' "
-                f"(update_every: 1) for unstructured straight-through sparsity"
-            )
+        cls.require_nm(
+            spec,
+            where,
+            "projects to an N:M pattern",
+            "use sparsity: '2:4', or algorithm 'magnitude' (update_every: 1) for "
+            "unstructured straight-through sparsity",
+        )
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -3,7 +3,9 @@
 Hard-mask phases need nothing here: the pruned weights are stored as zeros, so the unmodified
 module already computes the sparse function. Straight-through phases swap the layer's class for a
 subclass whose ``forward`` uses ``weight * mask`` (the mask is either stored on the module or
-projected from the weight at every forward). The swap keeps the same module object and the same
+projected from the weight at every forward); learned phases the same, with a mask sampled at
+every forward that is differentiable in the algorithm's own parameters (``sample``). The swap
+keeps the same module object and the same
 Parameter objects, so optimizers, EMA copies and ``state_dict`` keys see no change; swapping back
 restores the original class. A weight that other code reads directly (``nn.MultiheadAttention``'s
 ``in_proj_weight`` and ``out_proj.weight``) gets, the same way, a class whose attribute of that
@@ -35,15 +37,19 @@ from lightning_sparse.masks.tiles import TILE_KERNEL_DTYPES
 
 
 class _StraightThroughMask(torch.autograd.Function):
-    """``weight * mask`` forward; the gradient passes to the dense weight unmasked."""
+    """``weight * mask`` forward; the gradient passes to the dense weight unmasked (and to a
+    mask that requires one, a learned mask, as the product gives it: ``grad * weight``)."""
 
     @staticmethod
     def forward(ctx, weight: Tensor, mask: Tensor) -> Tensor:  # type: ignore[override]
+        if ctx.needs_input_grad[1]:
+            ctx.save_for_backward(weight)
         return weight * mask
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return grad, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None]:  # type: ignore[override]
+        mask_grad = grad * ctx.saved_tensors[0] if ctx.needs_input_grad[1] else None
+        return grad, mask_grad
 
 
 def straight_through_mask(weight: Tensor, mask: Tensor) -> Tensor:
@@ -58,18 +64,34 @@ class SparseForwardMixin:
 
     _ls_mask: Tensor | None
     _ls_project: Callable[[Tensor], Tensor] | None
+    _ls_sample: Callable[[bool], Tensor] | None
     _ls_original_class: type[nn.Module]
     _ls_layer: ClassVar[LayerType]
 
     def sparse_weight(self, dtype: torch.dtype) -> Tensor:
         """The weight times its mask, for a matmul in ``dtype``."""
         weight = self.weight  # type: ignore[attr-defined]
+        if self._ls_sample is not None:
+            return sampled_mask(weight, self._ls_sample, self.training)  # type: ignore[attr-defined]
         mask = (
             project_mask(self._ls_project, weight, dtype)
             if self._ls_project is not None
             else self._ls_mask
         )
         return straight_through_mask(weight, mask)
+
+
+def sampled_mask(
+    weight: Tensor, sample: Callable[[bool], Tensor], training: bool
+) -> Tensor:
+    """``weight * sample(training)``: its gradient reaches the sampled mask, hence the
+    parameters it was drawn from, and the weight, times the mask (the product's own
+    gradient) or, where ``sample`` has a true ``dense_gradient`` attribute, unmasked
+    (straight-through, as :func:`straight_through_mask`)."""
+    mask = sample(training).to(weight.dtype)
+    if getattr(sample, "dense_gradient", False):
+        return straight_through_mask(weight, mask)
+    return weight * mask
 
 
 def matmul_dtype(input: Tensor, weight: Tensor) -> torch.dtype:
@@ -210,9 +232,11 @@ def install_masked_forward(
     module: nn.Module,
     mask: Tensor | None = None,
     project: Callable[[Tensor], Tensor] | None = None,
+    sample: Callable[[bool], Tensor] | None = None,
 ) -> None:
-    """Make ``module`` compute with ``weight * mask`` (or ``weight * project(weight)``)."""
-    swap_forward(module, _MASKED_CLASSES, mask=mask, project=project)
+    """Make ``module`` compute with ``weight * mask`` (or ``weight * project(weight)``, both
+    straight-through, or ``weight * sample(module.training)``, see :func:`sampled_mask`)."""
+    swap_forward(module, _MASKED_CLASSES, mask=mask, project=project, sample=sample)
 
 
 def swap_forward(
@@ -220,6 +244,7 @@ def swap_forward(
     classes: SparseClasses,
     mask: Tensor | None = None,
     project: Callable[[Tensor], Tensor] | None = None,
+    sample: Callable[[bool], Tensor] | None = None,
 ) -> None:
     """Give ``module`` the sparse forward that ``classes`` maps its base class to.
 
@@ -236,6 +261,7 @@ def swap_forward(
     module._ls_original_class = original
     module._ls_mask = mask
     module._ls_project = project
+    module._ls_sample = sample
     module._ls_ran = False
     if "_ls_hook" not in module.__dict__:
         module._ls_hook = module.register_forward_pre_hook(_ran)
@@ -255,9 +281,11 @@ def install_sparse_attribute(
     attr: str,
     mask: Tensor | None = None,
     project: Callable[[Tensor], Tensor] | None = None,
+    sample: Callable[[bool], Tensor] | None = None,
 ) -> None:
     """Make every read of ``module.<attr>`` return ``weight * mask`` (or ``weight *
-    project(weight)``), straight-through, for a weight that other code reads directly instead
+    project(weight)``), straight-through, or ``weight * sample(module.training)``
+    (:func:`sampled_mask`), for a weight that other code reads directly instead
     of calling ``module`` (``nn.MultiheadAttention`` hands ``in_proj_weight`` and
     ``out_proj.weight`` to ``F.multi_head_attention_forward``).
 
@@ -276,12 +304,15 @@ def install_sparse_attribute(
     module._ls_attr = attr
     module._ls_mask = mask
     module._ls_project = project
+    module._ls_sample = sample
     module._ls_ran = False
 
 
 def _sparse_read(module: nn.Module) -> Tensor:
     weight = module._parameters[module._ls_attr]
     module._ls_ran = True  # the engine's check that the sparse weight is read
+    if module._ls_sample is not None:
+        return sampled_mask(weight, module._ls_sample, module.training)
     mask = (
         project_mask(module._ls_project, weight, matmul_dtype(weight, weight))
         if module._ls_project is not None

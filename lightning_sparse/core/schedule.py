@@ -238,7 +238,7 @@ class Phase:
         until: where the phase ends: fraction of the run (0.7), ``"70%"``, ``"3 epochs"``,
             ``"1500 steps"`` or an int optimizer step. Only the last phase may leave it out.
         algorithm: mask rule (``"static"``, ``"magnitude"``, ``"gmp"``, ``"set"``, ``"rigl"``,
-            ``"runtime"`` or a registered name).
+            ``"runtime"``, ``"learned"`` or a registered name).
             Default: ``"static"`` for a float sparsity, ``"runtime"`` for N:M when available.
         init: how the first mask is chosen: ``"topk"`` (largest magnitude), ``"random"``,
             ``"from_zeros"`` (the weight's existing zeros stay pruned: fine-tuning a pruned model),
@@ -262,6 +262,21 @@ class Phase:
             the gradient of each pruned weight gains ``decay * weight``, pulling the weights
             the forward leaves out toward zero (e.g. ``2e-4``); default off.
         calibration_batches: batches the ``wanda`` input norms are gathered over (default 8).
+        temperature: Gumbel-softmax temperature of ``learned`` masks: ``[start, end]``,
+            annealed linearly over the phase (default ``[4.0, 0.05]``), or one number.
+        logit_scale: what ``learned`` multiplies its logits by: ``[start, end]`` (default
+            ``[100.0, 500.0]``) or one number.
+        prior_strength: how strongly ``learned`` logits start at the prior mask (default 3.0;
+            0: no prior).
+        mask_lr: the Adam learning rate of ``learned`` logits (default 5e-4).
+        weight_reg: ``learned``'s sparse-weight regulariser, favouring patterns that keep
+            large weights (default 1e-5, decaying to 0 over the phase).
+        hard: ``learned`` forwards use the sampled pattern itself, with the soft sample's
+            gradient (straight-through Gumbel), instead of the soft sample (default false).
+        train_weights: whether the selected weights train during a ``learned`` phase: true
+            (default: with the gradient of the masked weight), ``"dense"`` (with the dense
+            gradient, straight-through, so weights the mask leaves out keep learning) or
+            false (only the masks learn, as in MaskLLM).
         options: extra options for a custom algorithm.
 
     Example:
@@ -286,6 +301,13 @@ class Phase:
     distribution: str | None = None
     decay: float | None = None
     calibration_batches: int | None = None
+    temperature: float | list[float] | None = None
+    logit_scale: float | list[float] | None = None
+    prior_strength: float | None = None
+    mask_lr: float | None = None
+    weight_reg: float | None = None
+    hard: bool | None = None
+    train_weights: bool | str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -119,14 +119,18 @@ class LayerForwards:
                 else functools.partial(speedup, stored=not algo.projects)
             )
             for t in targets:
-                choice = choose_backend(
-                    backend,
-                    phase.target,
-                    t.param,
-                    t.owners,
-                    compute_dtype,
-                    measure,
-                    gpu,
+                choice = (
+                    BackendChoice("masked", LEARNED_ON_MASKED)
+                    if algo.learns
+                    else choose_backend(
+                        backend,
+                        phase.target,
+                        t.param,
+                        t.owners,
+                        compute_dtype,
+                        measure,
+                        gpu,
+                    )
                 )
                 if choice.name == "semi_structured" and t.readers:
                     # a kernel forward would never run; the stored zeros are read
@@ -178,16 +182,20 @@ class LayerForwards:
                 return
             except NotTransposableError:
                 self._run_masked_instead(t, algo, key)
+        sample = LearnedSample(algo, t.name, t.layer) if algo.learns else None
         if t.sparse_reads:  # read as module.attr by another module's code
             if algo.straight_through:
                 install_sparse_attribute(
                     t.module,
                     t.owners[0][2],
-                    mask=None if algo.projects else mask,
+                    mask=None if algo.projects or sample else mask,
                     project=projection(t, algo) if algo.projects else None,
+                    sample=sample,
                 )
             return
-        if algo.projects:
+        if sample is not None:
+            install_masked_forward(t.module, sample=sample)
+        elif algo.projects:
             install_masked_forward(t.module, project=projection(t, algo))
         elif algo.straight_through:
             install_masked_forward(t.module, mask=mask)
@@ -275,6 +283,47 @@ class Projection:
         return self.algo.traceable(self.layer.to_rows(weight))
 
 
+@dataclass(frozen=True)
+class LearnedSample:
+    """The mask a learned algorithm draws for parameter ``name`` at a forward
+    (:meth:`~lightning_sparse.algorithms.Learned.sample`: a Gumbel sample in training, the
+    most likely pattern otherwise), in ``layer``'s stored layout. It runs outside any
+    ``torch.compile`` graph (it seeds a generator of its own); the masked product that
+    follows compiles as usual.
+
+    Example:
+        >>> from lightning_sparse.algorithms import MaskContext, build_algorithm
+        >>> from lightning_sparse.core.layers import CONV1D
+        >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+        >>> phase = resolve_phases([Phase(sparsity="2:4", algorithm="learned")], total_steps=5)[0]
+        >>> algo = build_algorithm(phase)
+        >>> w = torch.randn(16, 8)  # a Conv1D weight: 16 inputs, 8 outputs
+        >>> prior = algo.initial_mask(w.T, phase.target, MaskContext("w", 0, 0))
+        >>> algo.begin(0, {"w": prior})
+        >>> torch.equal(LearnedSample(algo, "w", CONV1D)(False), algo.most_likely("w").T.float())
+        True
+    """
+
+    algo: SparsityAlgorithm
+    name: str
+    layer: LayerType
+
+    @property
+    def dense_gradient(self) -> bool:
+        """Whether the weight learns from the dense gradient (``train_weights: dense``)."""
+        return self.algo.train_weights == "dense"  # type: ignore[attr-defined]
+
+    @torch.compiler.disable
+    def __call__(self, training: bool) -> Tensor:
+        return self.layer.from_rows(self.algo.sample(self.name, training))  # type: ignore[attr-defined]
+
+
+LEARNED_ON_MASKED = (
+    "a learned mask is a differentiable sample at every training forward, which no 2:4 "
+    "kernel runs"
+)
+
+
 def agree_across_ranks(choices: dict[tuple[int, str], BackendChoice]) -> None:
     """In a distributed run, keep a layer on its 2:4 kernel only where every rank chose it:
     ``verify_speed``'s timings differ a little from rank to rank, each rank's kernel check
@@ -314,4 +363,10 @@ def projection(t: ParamTarget, algo: SparsityAlgorithm) -> Projection:
     return Projection(algo, t.layer)
 
 
-__all__ = ["LayerForwards", "Projection", "agree_across_ranks", "projection"]
+__all__ = [
+    "LayerForwards",
+    "LearnedSample",
+    "Projection",
+    "agree_across_ranks",
+    "projection",
+]

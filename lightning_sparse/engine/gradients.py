@@ -1,6 +1,6 @@
 """What the engine does to gradients before an optimizer step: the finiteness check that gates
-a mask update, masking the gradients of pruned weights (hard masks), and masked decay
-(straight-through masks).
+a mask update, masking the gradients of pruned weights (hard masks), masked decay
+(straight-through masks), and averaging a learned mask's gradients over the ranks.
 
 Example:
     >>> import torch
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse.core.selection import ParamTarget
@@ -97,3 +98,26 @@ def decay_gradients(
         if grad is not None:
             weight = t.param.detach()
             grad.add_(weight.masked_fill(mask_of(t), 0), alpha=decay)
+
+
+@torch.no_grad()
+def average_over_ranks(params: Sequence[Tensor]) -> None:
+    """Make each gradient of ``params`` its mean over the ranks of a distributed run (a rank
+    without one counts zeros), in one all-reduce of them all: for parameters that no
+    data-parallel wrapper averages, such as a learned mask's logits. Every rank must call it
+    with the same parameters (a collective); nothing happens in a single process."""
+    if (
+        not (dist.is_available() and dist.is_initialized())
+        or dist.get_world_size() == 1
+    ):
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))  # type: ignore[union-attr]
+        offset += p.numel()

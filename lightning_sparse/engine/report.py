@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
+from lightning_sparse.algorithms import Learned
+from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import Selection
 from lightning_sparse.engine.flips import FlipRate
+from lightning_sparse.engine.learning import layer_lines, logit_bytes
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import describe
+from lightning_sparse.masks.candidates import candidate_count
 
 
 def text_table(rows: list[list[str]]) -> list[str]:
@@ -30,6 +36,8 @@ def plan_table(sparsifier: Sparsifier, selection: Selection) -> str:
         lines.append(
             f"  phase {phase.index + 1}: {phase.span():<18} {phase.spec.describe()}"
         )
+        if isinstance(sp.algorithms.get(phase.index), Learned):
+            lines.append("    " + _learned_cost(sp, phase))
     header = (
         ["parameter", "shape"]
         + [f"phase {p.index + 1}" for p in sp.phases]
@@ -103,4 +111,26 @@ def summary(
     measured = None if flips is None else flips.describe()
     if measured is not None:
         lines.append(f"  flip rate: {measured}")
+    reports = dict(sp.learned_reports)
+    if isinstance(sp.algorithm, Learned):  # still learning: where it stands now
+        reports[sp.algorithm.phase.index] = {
+            t.name: sp.algorithm.statistics(t.name) for t in sp.targets
+        }
+    for index, report in sorted(reports.items()):
+        lines.append(f"  phase {index + 1} learned masks:")
+        lines += [f"    {line}" for line in layer_lines(report)]
     return "\n".join(lines)
+
+
+def _learned_cost(sp: Sparsifier, phase: ResolvedPhase) -> str:
+    """What learned ``phase`` holds and runs, for the plan table."""
+    target = phase.target
+    candidates = candidate_count(target)  # type: ignore[arg-type]
+    weights = sum(math.prod(t.param.shape) for t in sp.targets)
+    groups = weights // target.m  # type: ignore[union-attr]
+    return (
+        f"learns {target} masks: {candidates} fp32 logits per group of {target.m} "  # type: ignore[union-attr]
+        f"({groups} groups; {logit_bytes(groups, candidates) / 2**20:.2f} MiB with their "
+        f"gradient and Adam state); training forwards draw a Gumbel sample on masked math, "
+        f"evaluation forwards use the most likely pattern"
+    )

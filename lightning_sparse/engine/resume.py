@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,11 +178,13 @@ def plan_restore(
     targets: Sequence[ParamTarget],
     step: int | None = None,
     on_schedule_change: str = "error",
+    handed: Collection[int] = (),
 ) -> Restore:
     """How to restore ``state`` into group ``name`` (its ``phases``, the ``algorithms`` of its
     sparse phases, its ``targets``) at optimizer ``step``, the resume step; everything checked
     first: a ``ValueError`` for a malformed state, and for a changed schedule unless
-    ``on_schedule_change`` is ``"reselect"``."""
+    ``on_schedule_change`` is ``"reselect"``. ``handed``: the phases that start from the
+    masks the phase before learned (N:M groups, checked as such)."""
     if on_schedule_change not in ON_SCHEDULE_CHANGE:
         raise ValueError(
             f"on_schedule_change={on_schedule_change!r}: use one of {list(ON_SCHEDULE_CHANGE)}"
@@ -194,7 +196,8 @@ def plan_restore(
         )
     saved = SavedState.read(name, state)
     if saved.schedule is None:  # not recorded: restored as saved, checked by its masks
-        return Restore(saved, restored_masks(name, saved, phases, algorithms, targets))
+        masks = restored_masks(name, saved, phases, algorithms, targets, handed)
+        return Restore(saved, masks)
     now = schedule_record(phases, targets)
     changes = schedule_changes(saved.schedule, now, bool(saved.masks))
     if changes and on_schedule_change == "error":
@@ -207,7 +210,7 @@ def plan_restore(
             f"({'; '.join(changes)}); it applies from this step, masks chosen afresh "
             f"(on_schedule_change='reselect')",
         )
-    masks = restored_masks(name, saved, phases, algorithms, targets)
+    masks = restored_masks(name, saved, phases, algorithms, targets, handed)
     moved = moved_phases(saved.schedule, now)
     note = (
         None
@@ -224,10 +227,12 @@ def restored_masks(
     phases: Sequence[ResolvedPhase],
     algorithms: Mapping[int, SparsityAlgorithm],
     targets: Sequence[ParamTarget],
+    handed: Collection[int] = (),
 ) -> dict[str, Tensor]:
     """The masks of ``saved`` by parameter name, on their parameters' devices, checked against
     group ``name`` (its ``phases``, the ``algorithms`` of its sparse phases and its
-    ``targets``): empty when the saved phase is dense. A ``ValueError`` names what does not fit."""
+    ``targets``; ``handed``: the phases that start from learned masks): empty when the saved
+    phase is dense. A ``ValueError`` names what does not fit."""
     index, saved_masks = saved.phase, saved.masks
     if index is not None and index >= len(phases):
         raise ValueError(
@@ -272,7 +277,9 @@ def restored_masks(
         mask = masks[t.name] = mask.to(
             device=t.param.device
         )  # checked where it is fastest
-        broken = _broken_pattern(t, mask, phases[index], algorithms[index])
+        broken = _broken_pattern(
+            t, mask, phases[index], algorithms[index], index in handed
+        )
         if broken is not None:
             raise ValueError(
                 f"[{name}] the checkpoint's mask for parameter {t.name!r} is not {broken}, "
@@ -283,16 +290,24 @@ def restored_masks(
 
 
 def _broken_pattern(
-    t: ParamTarget, mask: Tensor, phase: ResolvedPhase, algorithm: SparsityAlgorithm
+    t: ParamTarget,
+    mask: Tensor,
+    phase: ResolvedPhase,
+    algorithm: SparsityAlgorithm,
+    handed: bool = False,
 ) -> str | None:
     """The pattern of ``phase`` that ``t``'s ``mask`` breaks, or ``None``: N:M groups along
     the layer's inputs, and transposable 4x4 tiles where the (built-in) algorithm lays 2:4 out
-    so."""
+    so, unless the phase started from learned masks (``handed``: groups only)."""
     target = phase.target
     if not isinstance(target, NM):
         return None
     rows = t.layer.to_rows(mask)
-    tiles = algorithm.nm_layout(rows, target) == "tiles" and _built_in(algorithm)
+    tiles = (
+        algorithm.nm_layout(rows, target) == "tiles"
+        and _built_in(algorithm)
+        and not handed
+    )
     if tiles and is_transposable_2to4(rows):  # which implies 2:4 along the inputs
         return None
     if not is_nm(rows, target):

@@ -35,10 +35,12 @@ from torch import Tensor, nn
 
 from lightning_sparse.algorithms import (
     UNKNOWN_RUN,
+    Learned,
     MaskContext,
     RunLength,
     SparsityAlgorithm,
     build_algorithm,
+    hands_over,
 )
 from lightning_sparse.backends import BackendChoice
 from lightning_sparse.backends.gpus import GpuTarget
@@ -47,6 +49,7 @@ from lightning_sparse.core.selection import ParamTarget
 from lightning_sparse.engine.forwards import LayerForwards, projection
 from lightning_sparse.engine.gradients import (
     all_finite,
+    average_over_ranks,
     decay_gradients,
     mask_gradients,
     owned_by,
@@ -55,6 +58,12 @@ from lightning_sparse.engine.input_norms import InputNorms
 from lightning_sparse.engine.layer_threads import (
     for_each_layer,
     update_threads,
+)
+from lightning_sparse.engine.learning import (
+    LearnedReports,
+    describe_start,
+    read_reports,
+    summarize,
 )
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
 from lightning_sparse.engine.resume import pack_state, plan_restore, schedule_record
@@ -108,6 +117,11 @@ class Sparsifier:
     Sharded parameters (FSDP2 DTensors) get masks chosen on the whole tensor and stored as
     shards like the parameter (see :mod:`lightning_sparse.engine.sharding`); call every method on
     every rank, as the gathers are collectives.
+
+    A learned phase (:class:`~lightning_sparse.algorithms.Learned`) starts its logits at the
+    phase start, steps them in :meth:`before_optimizer_step` (their gradients averaged over the
+    ranks), saves them in :meth:`state_dict`, and hands its most likely masks to the next
+    phase when :func:`~lightning_sparse.algorithms.hands_over` says so.
     """
 
     def __init__(
@@ -155,6 +169,15 @@ class Sparsifier:
             tuple[int, int | None]
         ] = []  # (step entered, phase index or None)
         self._grad_lists: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        #: the phases whose first masks are the learned masks of the phase before
+        self.handed = {
+            p.index
+            for before, p in zip(self.phases, self.phases[1:])
+            if hands_over(before.spec, p.spec)
+        }
+        #: per learned phase that ended (or was saved), each layer's statistics then
+        self.learned_reports: LearnedReports = {}
+        self._learned_step = -1  # the last optimizer step the logits took
 
     @property
     def backends(self) -> dict[tuple[int, str], BackendChoice]:
@@ -188,6 +211,8 @@ class Sparsifier:
         """Call before the first forward of optimizer step ``step``; enters a new phase if due."""
         new = phase_at(self.phases, step)
         if _index(new) == _index(self.current) and self.history:
+            if isinstance(self.algorithm, Learned):
+                self.algorithm.step = step  # the forwards draw this step's samples
             return None
         old = self.current
         self.enter(new, step, optimizers)
@@ -200,12 +225,23 @@ class Sparsifier:
         optimizers: Sequence[torch.optim.Optimizer],
     ) -> None:
         """Leave the current phase and start ``phase`` (``None`` or a dense phase: no masks)."""
+        handed = self._hand_over(phase, step)
         self._leave()
         self.current = phase
         self.history.append((step, _index(phase)))
         algo = self.algorithm
         if algo is None:
             return
+        rows = handed if handed is not None else self._first_masks(algo, step)
+        if isinstance(algo, Learned):
+            algo.begin(step, rows)
+            self.log(describe_start(self.name, algo, step))
+        self._apply(
+            {t.name: _stored(t, rows[t.name]) for t in self.targets}, optimizers
+        )
+
+    def _first_masks(self, algo: SparsityAlgorithm, step: int) -> dict[str, Tensor]:
+        """The phase's first masks, as rows, chosen by its algorithm at ``step``."""
         norms = self._calibrate(algo, step) if algo.calibrates else {}
         # algorithms see rows: each weight as its layer computes, inputs last (core.layers)
         weights = {
@@ -214,18 +250,33 @@ class Sparsifier:
         # input_norms only for init='wanda': a custom layer_targets may not take them
         extra = {"input_norms": norms} if norms else {}
         targets = algo.layer_targets(step, weights, None, **extra)
-        masks = {
-            t.name: _stored(
-                t,
-                algo.initial_mask(
-                    weights[t.name],
-                    targets[t.name],
-                    MaskContext(t.name, step, algo.seed, input_norm=norms.get(t.name)),
-                ),
+        return {
+            t.name: algo.initial_mask(
+                weights[t.name],
+                targets[t.name],
+                MaskContext(t.name, step, algo.seed, input_norm=norms.get(t.name)),
             )
             for t in self.targets
         }
-        self._apply(masks, optimizers)
+
+    def _hand_over(
+        self, new: ResolvedPhase | None, step: int
+    ) -> dict[str, Tensor] | None:
+        """Leaving a learned phase for ``new`` at ``step``: keep its layers' statistics, and
+        return its most likely masks (rows) if ``new`` starts from them, else ``None``."""
+        old = self.algorithm
+        if not isinstance(old, Learned):
+            return None
+        index = old.phase.index
+        self.learned_reports[index] = self._learned_statistics(old)
+        if new is None or new.index != index + 1 or new.index not in self.handed:
+            self.log(summarize(self.name, index, self.learned_reports[index], step))
+            return None
+        self.log(
+            summarize(self.name, index, self.learned_reports[index], step)
+            + f"; phase {new.index + 1} starts from these masks"
+        )
+        return {t.name: old.most_likely(t.name).clone() for t in self.targets}
 
     def _calibrate(self, algo: SparsityAlgorithm, step: int) -> dict[str, Tensor]:
         """The input norms of every target over the phase's calibration forwards (run with
@@ -248,6 +299,8 @@ class Sparsifier:
         return norms.result()
 
     def _leave(self) -> None:
+        if isinstance(self.algorithm, Learned):
+            self.algorithm.release()
         self.forwards.uninstall(self.targets)
         self.masks = {}
         free_scratch()
@@ -321,6 +374,9 @@ class Sparsifier:
         if algo.projects:
             weight = target.param.detach()
             return shard_like(projection(target, algo)(gather_full(weight)), weight)
+        if isinstance(algo, Learned):
+            mask = _stored(target, algo.most_likely(target.name))
+            return shard_like(mask, target.param.detach())
         return self.masks[target.name]
 
     def before_optimizer_step(
@@ -338,6 +394,8 @@ class Sparsifier:
         if algo is None:
             return False
         self.forwards.verify(self.targets, self.allow_skipped_layers)
+        if isinstance(algo, Learned):
+            self._learn(step, algo, optimizer)
         decay = self.current.spec.decay if self.current is not None else None
         if decay and algo.straight_through:
             self.decay_gradients(optimizer, decay)
@@ -396,6 +454,52 @@ class Sparsifier:
         self._grad_lists.clear()
         self.last_update_step = step
         return True
+
+    def _learn(
+        self, step: int, algo: Learned, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """A learned phase's work before ``optimizer`` steps: with ``train_weights: false``
+        the selected weights it updates lose their gradients (so it leaves them, and their
+        state, as they are); once per optimizer step, the logits' gradients are averaged over
+        the ranks and the logits take their step (skipped, and logged, if a gradient is not
+        finite, as a GradScaler skips the run's step)."""
+        if algo.train_weights is False:
+            for t in owned_by(self.targets, optimizer):
+                t.param.grad = None
+        if step == self._learned_step:
+            return
+        self._learned_step = step
+        params = list(algo.parameters())
+        average_over_ranks(params)
+        if not all_finite([p.grad for p in params if p.grad is not None]):
+            algo.skip()
+            self.log(
+                f"[{self.name}] step {step}: learned masks not updated: non-finite gradients"
+            )
+            return
+        weights = None
+        if algo.weight_reg_at(step) > 0:  # the regulariser reads the weights
+            weights = {
+                t.name: _rows(t, gather_full(t.param.detach())) for t in self.targets
+            }
+        algo.learn(step, weights)
+
+    def _learned_statistics(self, algo: Learned) -> dict[str, tuple[int, int, float]]:
+        return {t.name: algo.statistics(t.name) for t in self.targets}
+
+    def learned_statistics(self) -> dict[str, float]:
+        """In a learned phase: the fraction of the group's N:M groups whose most likely
+        pattern differs from the prior's (``changed_from_prior``) and the mean entropy of
+        their pattern distributions in nats (``pattern_entropy``); empty otherwise."""
+        algo = self.algorithm
+        if not isinstance(algo, Learned):
+            return {}
+        stats = self._learned_statistics(algo).values()
+        groups = sum(g for _, g, _ in stats)
+        return {
+            "changed_from_prior": sum(c for c, _, _ in stats) / groups,
+            "pattern_entropy": sum(g * e for _, g, e in stats) / groups,
+        }
 
     def _finite(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the group's weights and every gradient the optimizer will apply are finite: a
@@ -464,9 +568,17 @@ class Sparsifier:
                 mask = gather_full(self.current_mask(t))
                 masks[f"{t.name}_mask"] = mask.detach().to("cpu", copy=True)
         record = schedule_record(self.phases, self.targets)
-        return pack_state(
+        state = pack_state(
             _index(self.current), self.last_update_step, self.history, masks, record
         )
+        if isinstance(self.algorithm, Learned):
+            state["learned"] = self.algorithm.state_dict()
+        if self.learned_reports:
+            state["learned_reports"] = {
+                index: {name: list(stats) for name, stats in layers.items()}
+                for index, layers in self.learned_reports.items()
+            }
+        return state
 
     def load_state_dict(
         self,
@@ -494,10 +606,18 @@ class Sparsifier:
             self.targets,
             step,
             on_schedule_change,
+            self.handed,
+        )
+        learned = self._learned_state(restore.saved.phase, restore.masks, state)
+        reports = (  # another schedule's phases have no report here
+            {}
+            if restore.masks is None
+            else read_reports(self.name, state.get("learned_reports"), self.phases)
         )
         if restore.note is not None:
             self.log(restore.note)
         self._leave()
+        self.learned_reports = reports
         if restore.masks is None:  # a changed schedule, applied from the resume step
             assert step is not None
             self.history = []  # the saved one counts another schedule's phases
@@ -511,13 +631,42 @@ class Sparsifier:
         self.current = None if index is None else self.phases[index]
         if index is not None and index in self.algorithms:
             self._apply(restore.masks, optimizers, zero_state=False)
+        if learned is not None:
+            algo = self.algorithms[index]  # type: ignore[index]
+            assert isinstance(algo, Learned)
+            algo.restore(learned, algo.phase.start if step is None else step)
+            self.log(describe_start(self.name, algo, algo.step, resumed=True))
         return None
+
+    def _learned_state(
+        self, index: int | None, masks: dict[str, Tensor] | None, state: Any
+    ) -> dict[str, Any] | None:
+        """The logits and optimizer state a state saved in learned phase ``index`` holds,
+        checked (a ``ValueError`` names what is wrong); ``None`` for any other phase."""
+        algo = None if index is None or masks is None else self.algorithms.get(index)
+        if not isinstance(algo, Learned):
+            return None
+        shapes = {t.name: _rows_shape(t) for t in self.targets}
+        devices = {t.name: t.param.device for t in self.targets}
+        try:
+            return algo.check_state(state.get("learned"), shapes, devices)
+        except ValueError as err:
+            raise ValueError(
+                f"[{self.name}] the checkpoint was saved in phase {index + 1} "  # type: ignore[operator]
+                f"(algorithm {algo.name!r}), but {err}; the checkpoint is damaged or was not "
+                f"written by SparsityCallback"
+            ) from None
 
 
 def _rows(t: ParamTarget, tensor: Tensor) -> Tensor:
     """``tensor`` (laid out like ``t``'s parameter) as rows: ``t``'s weight as its layer
     computes with it, inputs last; the tensor itself for a Linear weight."""
     return t.layer.to_rows(tensor).contiguous()
+
+
+def _rows_shape(t: ParamTarget) -> torch.Size:
+    """The shape of ``t``'s weight as rows (whole, also for a sharded parameter)."""
+    return t.layer.to_rows(torch.empty(t.param.shape, device="meta")).shape
 
 
 def _stored(t: ParamTarget, rows: Tensor) -> Tensor:

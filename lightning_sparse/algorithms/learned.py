@@ -1,0 +1,473 @@
+"""``learned``: N:M masks learned end to end (MaskLLM, Fang et al., NeurIPS 2024).
+
+Every group of ``M`` weights along a layer's inputs keeps one logit per candidate pattern
+(:mod:`~lightning_sparse.masks.candidates`: 6 for 2:4). A training forward multiplies the weight
+by a differentiable sample of the patterns, ``softmax((scale * logits + gumbel) / temperature)``
+averaged over the pattern table (soft, MaskLLM's choice; ``hard: true`` takes the sampled pattern
+with the soft gradient, straight-through Gumbel), so the loss trains the logits; an evaluation
+forward uses each group's most likely pattern, a valid N:M mask. The temperature and the logit
+scale anneal linearly over the phase (MaskLLM: 4 to 0.05 and 100 to 500), so the samples harden
+toward that most likely pattern, which the next sparse phase starts from.
+
+The logits start from a prior mask (``init``: magnitude by default, or ``wanda``): small random
+logits plus ``prior_strength`` times their standard deviation for every weight a candidate keeps
+in common with the prior (at the default strength of 3, the noise puts about 6% of the groups
+on another pattern than the prior's, as MaskLLM's initialisation does). They train with an Adam
+optimizer of their own (``mask_lr``), stepped once per optimizer step of the run; a sparse-weight regulariser (``weight_reg``, decaying
+linearly to zero over the phase) adds the gradient of ``-weight_reg * sum(|W * mask|^2)``, which
+favours patterns that keep large weights (MaskLLM's remedy for vanishing gradients). The Gumbel
+noise of a layer is drawn from ``(seed, parameter name, step)``, identical on every rank, for
+every micro-batch of a step and after a resume.
+
+The algorithm is a rule over rows (each weight as its layer computes, inputs last), like every
+algorithm: it never touches modules or optimizers of the model. The engine
+(:mod:`~lightning_sparse.engine.learning`) installs its forwards, averages its gradients over
+ranks, steps it, freezes the weights (``train_weights: false``) and saves its state.
+
+Example:
+    >>> import torch
+    >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+    >>> from lightning_sparse.algorithms import MaskContext, build_algorithm
+    >>> phase = resolve_phases([Phase(sparsity="2:4", algorithm="learned")], total_steps=10)[0]
+    >>> algo = build_algorithm(phase)
+    >>> w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    >>> prior = algo.initial_mask(w, phase.target, MaskContext("w", 0, 0))
+    >>> algo.begin(0, {"w": prior})
+    >>> changed, groups, entropy = algo.statistics("w")  # the initial noise moves a few groups
+    >>> groups, round(changed / groups, 2), algo.most_likely("w").shape
+    (1024, 0.06, torch.Size([64, 64]))
+    >>> soft = algo.sample("w", training=True)
+    >>> bool(soft.requires_grad), algo.temperature_at(0), algo.temperature_at(10)
+    (True, 4.0, 0.05)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_sparse.algorithms.base import (
+    UNKNOWN_RUN,
+    RunLength,
+    SparsityAlgorithm,
+    register_algorithm,
+)
+from lightning_sparse.core.schedule import Phase, ResolvedPhase
+from lightning_sparse.masks import NM, name_seed
+from lightning_sparse.masks.candidates import (
+    candidate_count,
+    candidate_patterns,
+    candidates_unsupported,
+    pattern_indices,
+    patterns_to_mask,
+)
+
+INIT_STD = 0.01
+"""Standard deviation of the random logits a phase starts from (before the logit scale), as
+MaskLLM draws them; ``prior_strength`` counts in these units."""
+
+
+@dataclass(frozen=True)
+class Anneal:
+    """A value that goes linearly from ``start`` (at the phase start) to ``end`` (at its end)."""
+
+    start: float
+    end: float
+
+    def at(self, progress: float) -> float:
+        return self.start * (1.0 - progress) + self.end * progress  # exact at both ends
+
+
+DEFAULTS: dict[str, Any] = {
+    "temperature": Anneal(4.0, 0.05),
+    "logit_scale": Anneal(100.0, 500.0),
+    "prior_strength": 3.0,
+    "mask_lr": 5e-4,
+    "weight_reg": 1e-5,
+    "hard": False,
+    "train_weights": True,
+}
+"""The options' defaults: MaskLLM's for LLaMA-2 7B (temperature 4 to 0.05, logit scale 100 to
+500, prior strength 3, sparse-weight regulariser 1e-5; its learning rate 5e-5 with a 10x
+multiplier for the mask, read as 5e-4), except that the weights train (``train_weights``)."""
+
+
+@register_algorithm("learned")
+class Learned(SparsityAlgorithm):
+    """Learned N:M masks: logits over every group's candidate patterns, trained end to end
+    through Gumbel-softmax samples (see the module docstring for the method).
+
+    Options (all optional): ``temperature`` and ``logit_scale`` (a number, or ``[start, end]``
+    annealed linearly over the phase), ``prior_strength`` (>= 0), ``mask_lr`` (> 0, the logits'
+    Adam learning rate), ``weight_reg`` (>= 0), ``hard`` (straight-through Gumbel samples
+    instead of soft ones), ``train_weights`` (``true``: the selected weights train with the
+    gradient of the masked product; ``"dense"``: with the dense gradient, straight-through;
+    ``false``: they stay as they are, MaskLLM's setting), ``init`` (the prior: ``topk``,
+    ``wanda``, ``random``, ``from_zeros``) and ``seed``.
+
+    Example:
+        >>> from lightning_sparse import SparsityCallback
+        >>> cb = SparsityCallback(phases=[
+        ...     {"sparsity": "2:4", "algorithm": "learned", "until": 0.3, "train_weights": False},
+        ...     {"sparsity": "2:4", "algorithm": "static"},
+        ... ])
+    """
+
+    straight_through = True  # stored weights stay dense; the forward masks them
+    learns = True
+    option_names = frozenset({"init", "seed", "calibration_batches", *DEFAULTS})
+
+    @classmethod
+    def accepted_options(cls) -> frozenset[str]:
+        # no masked decay: the logits, not the weights' magnitudes, choose the mask
+        return cls.option_names
+
+    @classmethod
+    def validate(cls, spec: Phase, where: str) -> None:
+        super().validate(spec, where)
+        target = cls.require_nm(
+            spec,
+            where,
+            "learns which N of every M weights to keep",
+            "use an N:M sparsity such as sparsity: '2:4'",
+        )
+        problem = candidates_unsupported(target)
+        if problem is not None:
+            raise ValueError(
+                f"{where}: algorithm 'learned' cannot learn sparsity '{target}': "
+                f"{problem}; use M <= 8, or algorithm 'runtime' for '{target}'"
+            )
+        _options(spec, where)
+
+    def __init__(self, phase: ResolvedPhase, run: RunLength = UNKNOWN_RUN) -> None:
+        super().__init__(phase, run)
+        where = f"phases[{phase.index}]"
+        if phase.end is None:
+            raise ValueError(
+                f"{where}: algorithm 'learned' anneals its temperature and logit scale over "
+                f"the phase, which has no end here: give the phase an 'until', or "
+                f"{run.advice}"
+            )
+        options = _options(phase.spec, where)
+        self.temperature: Anneal = options["temperature"]
+        self.logit_scale: Anneal = options["logit_scale"]
+        self.prior_strength: float = options["prior_strength"]
+        self.mask_lr: float = options["mask_lr"]
+        self.weight_reg: float = options["weight_reg"]
+        self.hard: bool = options["hard"]
+        self.train_weights: bool | str = options["train_weights"]
+        assert isinstance(phase.target, NM)
+        self.target: NM = phase.target
+        self.step = phase.start  #: the optimizer step the forwards belong to
+        self.logits: dict[str, Tensor] = {}  #: (groups, candidates) fp32 per parameter
+        self.prior: dict[str, Tensor] = {}  #: the prior's pattern index per group
+        self.shapes: dict[str, torch.Size] = {}  #: each weight as rows
+        self.optimizer: torch.optim.Adam | None = None
+        self._likely: dict[str, Tensor] = {}  # most likely masks, until the next step
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def progress(self, step: int) -> float:
+        """How far into the phase ``step`` is: 0 at its first step, 1 at its end."""
+        assert self.phase.end is not None
+        return (step - self.phase.start) / (self.phase.end - self.phase.start)
+
+    def temperature_at(self, step: int) -> float:
+        """The Gumbel-softmax temperature of the forwards of optimizer step ``step``."""
+        return self.temperature.at(self.progress(step))
+
+    def logit_scale_at(self, step: int) -> float:
+        """What the logits are multiplied by in the forwards of optimizer step ``step``."""
+        return self.logit_scale.at(self.progress(step))
+
+    def weight_reg_at(self, step: int) -> float:
+        """The sparse-weight regulariser's factor at ``step``: ``weight_reg``, decaying
+        linearly to zero at the phase end, as MaskLLM removes it."""
+        return self.weight_reg * (1.0 - self.progress(step))
+
+    # -- masks ----------------------------------------------------------------------------------
+    def nm_layout(self, like: Tensor, target: NM) -> str | None:
+        # the learned patterns are N of every M along the inputs (no transposable tiles)
+        return "groups"
+
+    def begin(self, step: int, priors: Mapping[str, Tensor]) -> None:
+        """Start learning at ``step`` from ``priors`` (bool N:M masks as rows, by parameter
+        name, on their weights' devices): small random logits, seeded by the phase's seed and
+        the parameter name, plus ``prior_strength * INIT_STD`` for every kept weight a
+        candidate shares with its group's prior."""
+        self.step = step
+        table = candidate_patterns(self.target).float()  # (C, M)
+        count = candidate_count(self.target)
+        logits = {}
+        for name, mask in priors.items():
+            prior = pattern_indices(mask, self.target)
+            gen = torch.Generator().manual_seed(name_seed(self.seed, f"{name}|logits"))
+            noise = torch.randn(prior.numel(), count, generator=gen) * INIT_STD
+            overlap = (
+                table[prior.cpu()] @ table.T
+            )  # (groups, C): kept weights in common
+            init = noise + self.prior_strength * INIT_STD * overlap
+            logits[name] = init.to(mask.device)
+            self.prior[name] = prior.to(torch.uint8)
+            self.shapes[name] = mask.shape
+        self._start(logits)
+
+    def _start(self, logits: Mapping[str, Tensor]) -> None:
+        self.logits = {
+            name: value.detach().float().requires_grad_(True)
+            for name, value in logits.items()
+        }
+        self.optimizer = torch.optim.Adam(list(self.logits.values()), lr=self.mask_lr)
+        self._likely.clear()
+
+    def parameters(self) -> Iterator[Tensor]:
+        """The trainable logits, in parameter order."""
+        return iter(self.logits.values())
+
+    def sample(self, name: str, training: bool) -> Tensor:
+        """The mask ``name``'s forward multiplies its weight (rows) by: in training, a Gumbel
+        sample at this step's temperature and logit scale, differentiable in the logits (soft,
+        or with ``hard`` the sampled pattern straight-through); otherwise the most likely
+        pattern (a float 0/1 mask)."""
+        if not training:
+            return self.most_likely(name).float()
+        logits = self.logits[name]
+        gen = torch.Generator(device=logits.device).manual_seed(
+            name_seed(self.seed, f"{name}|gumbel", self.step)
+        )
+        exponential = torch.empty_like(logits).exponential_(generator=gen)
+        gumbel = -exponential.clamp_min_(torch.finfo(logits.dtype).tiny).log()
+        scaled = logits * self.logit_scale_at(self.step) + gumbel
+        weights = F.softmax(scaled / self.temperature_at(self.step), dim=-1)  # (G, C)
+        if self.hard:
+            one_hot = F.one_hot(weights.argmax(-1), weights.shape[-1]).to(weights.dtype)
+            weights = one_hot - weights.detach() + weights
+        table = candidate_patterns(self.target, logits.device).to(weights.dtype)
+        return (weights @ table).reshape(self.shapes[name])
+
+    def most_likely(self, name: str) -> Tensor:
+        """Each group's most likely pattern (the largest logit) as a bool mask (rows); what
+        evaluation forwards use, what checkpoints and exports hold, and what the next phase
+        starts from. Ties go to the first pattern."""
+        mask = self._likely.get(name)
+        if mask is None:
+            best = self.logits[name].detach().argmax(-1)
+            mask = self._likely[name] = patterns_to_mask(
+                best, self.target, self.shapes[name]
+            )
+        return mask
+
+    # -- learning -------------------------------------------------------------------------------
+    def learn(self, step: int, weights: Mapping[str, Tensor] | None = None) -> None:
+        """One optimizer step of the logits with their accumulated (and, in a distributed
+        run, averaged) gradients: first the sparse-weight regulariser's gradient for
+        ``weights`` (rows, as the forwards of ``step`` saw them; needed when ``weight_reg``
+        is set), then Adam, then the gradients are cleared."""
+        assert self.optimizer is not None
+        factor = self.weight_reg_at(step)
+        if factor > 0 and weights is not None:
+            with torch.enable_grad():
+                kept = sum(
+                    (
+                        weights[name].detach().float().square()
+                        * self.sample(name, True)
+                    ).sum()
+                    for name in self.logits
+                )
+                (-factor * kept).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._likely.clear()
+
+    def skip(self) -> None:
+        """Drop the accumulated gradients without a step (a step the run skips)."""
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def statistics(self, name: str) -> tuple[int, int, float]:
+        """``(groups whose most likely pattern differs from the prior's, groups, mean pattern
+        entropy in nats)`` of parameter ``name``; the patterns' distribution is
+        ``softmax(logit_scale * logits)`` at the current step, which hard Gumbel samples
+        follow (the entropy of a uniform one is ``ln C(M, N)``: 1.79 for 2:4)."""
+        logits = self.logits[name].detach()
+        changed = int((logits.argmax(-1) != self.prior[name].long()).sum())
+        log_p = F.log_softmax(logits * self.logit_scale_at(self.step), dim=-1)
+        entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
+        return changed, logits.shape[0], entropy
+
+    def release(self) -> None:
+        """Free the logits and their optimizer (the phase is over)."""
+        self.logits, self.prior, self._likely = {}, {}, {}
+        self.optimizer = None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The logits, the prior's patterns and the Adam state, on the CPU (plain tensors
+        and values, readable with ``torch.load(weights_only=True)``)."""
+        assert self.optimizer is not None
+        return {
+            "logits": {
+                n: v.detach().to("cpu", copy=True) for n, v in self.logits.items()
+            },
+            "prior": {n: v.to("cpu", copy=True) for n, v in self.prior.items()},
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+        }
+
+    def check_state(
+        self,
+        state: Any,
+        shapes: Mapping[str, torch.Size],
+        devices: Mapping[str, torch.device],
+    ) -> dict[str, Any]:
+        """:meth:`state_dict`'s output read back for weights of ``shapes`` (rows, by name) on
+        ``devices``, checked, without changing this algorithm: what :meth:`restore` takes. A
+        ``ValueError`` says what does not fit."""
+        if not isinstance(state, Mapping) or not {
+            "logits",
+            "prior",
+            "optimizer",
+        } <= set(state):
+            raise ValueError(
+                "its state has no learned logits, prior and optimizer state (key 'learned')"
+            )
+        logits, prior = state["logits"], state["prior"]
+        if not (isinstance(logits, Mapping) and isinstance(prior, Mapping)):
+            raise ValueError(  # noqa: TRY004 (a file's content, not an argument's type)
+                "its learned logits or prior are not dicts"
+            )
+        if set(logits) != set(shapes) or set(prior) != set(shapes):
+            raise ValueError(
+                f"it has learned logits for {sorted(map(str, logits))[:5]}, and this phase "
+                f"learns masks for {sorted(shapes)[:5]}"
+            )
+        count = candidate_count(self.target)
+        for name, shape in shapes.items():
+            groups = math.prod(shape) // self.target.m
+            value, kept = logits[name], prior[name]
+            if not (
+                isinstance(value, Tensor)
+                and value.dtype == torch.float32
+                and tuple(value.shape) == (groups, count)
+                and bool(value.isfinite().all())
+            ):
+                raise ValueError(
+                    f"the learned logits of {name!r} are not a finite float32 tensor of "
+                    f"shape {(groups, count)} ({groups} groups of {self.target.m}, {count} "
+                    f"patterns)"
+                )
+            if not (
+                isinstance(kept, Tensor)
+                and kept.dtype == torch.uint8
+                and tuple(kept.shape) == (groups,)
+                and bool((kept < count).all())
+            ):
+                raise ValueError(
+                    f"the learned prior of {name!r} is not {groups} pattern indices (uint8) "
+                    f"below {count}"
+                )
+        values = {
+            name: logits[name].to(devices[name]).requires_grad_(True) for name in shapes
+        }
+        optimizer = torch.optim.Adam(list(values.values()), lr=self.mask_lr)
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, TypeError, IndexError) as err:
+            raise ValueError(
+                f"its learned logits' optimizer state does not fit: {err}"
+            ) from None
+        return {
+            "logits": values,
+            "prior": {name: prior[name].to(devices[name]) for name in shapes},
+            "optimizer": optimizer,
+            "shapes": dict(shapes),
+        }
+
+    def restore(self, checked: Mapping[str, Any], step: int) -> None:
+        """Continue from a state :meth:`check_state` read, at optimizer ``step`` (at the
+        phase's end: its last step, whose forwards the state followed)."""
+        assert self.phase.end is not None
+        self.step = min(step, self.phase.end - 1)
+        self.shapes = checked["shapes"]
+        self.prior = checked["prior"]
+        self.logits = checked["logits"]
+        self.optimizer = checked["optimizer"]
+        self._likely.clear()
+
+
+def _options(spec: Phase, where: str) -> dict[str, Any]:
+    """The phase's learned-mask options, checked, with the defaults filled in."""
+    options = dict(DEFAULTS)
+    for key in ("temperature", "logit_scale"):
+        value = getattr(spec, key)
+        if value is not None:
+            options[key] = _anneal(value, f"{where}.{key}")
+    for key, minimum in (("prior_strength", 0.0), ("weight_reg", 0.0)):
+        value = getattr(spec, key)
+        if value is not None:
+            options[key] = _number(value, f"{where}.{key}", minimum, positive=False)
+    if spec.mask_lr is not None:
+        options["mask_lr"] = _number(spec.mask_lr, f"{where}.mask_lr", 0.0, True)
+    for key, dense in (("hard", ""), ("train_weights", ", or 'dense'")):
+        value = getattr(spec, key)
+        if value is not None and not (
+            isinstance(value, bool) or (dense and value == "dense")
+        ):
+            raise TypeError(
+                f"{where}.{key}={value!r} has type {type(value).__name__}: use true or "
+                f"false{dense}"
+            )
+        if value is not None:
+            options[key] = value
+    return options
+
+
+def _number(value: Any, where: str, minimum: float, positive: bool) -> float:
+    """A finite number (a string of one, as YAML 1.1 reads ``1e-5``, counts as the number)
+    at least ``minimum`` (above it with ``positive``)."""
+    wanted = f"a finite number {'>' if positive else '>='} {minimum:g}"
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(
+                f"{where}={value!r} is not a number: use {wanted}"
+            ) from None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise TypeError(
+            f"{where}={value!r} has type {type(value).__name__}: use {wanted}"
+        )
+    low = number > minimum if positive else number >= minimum
+    if not (math.isfinite(number) and low):
+        raise ValueError(f"{where}={value!r}: use {wanted}")
+    return float(number)
+
+
+def _anneal(value: Any, where: str) -> Anneal:
+    """A positive number (constant over the phase) or ``[start, end]`` (linear)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ValueError(
+                f"{where}={value!r}: give [start, end] (annealed linearly over the phase) "
+                f"or one number (constant)"
+            )
+        start, end = (_number(v, where, 0.0, True) for v in value)
+        return Anneal(start, end)
+    number = _number(value, where, 0.0, True)
+    return Anneal(number, number)
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor copied to the CPU (an optimizer's ``state_dict``)."""
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    return value

@@ -1,0 +1,620 @@
+"""Learned N:M masks (``algorithm: learned``) on the demo GPT and a tiny Hugging Face GPT-2:
+the forward is differentiable in the logits, the most likely pattern is always a valid N:M
+mask, the temperature follows its schedule, the next phase starts from the learned pattern,
+a resume is bitwise, checkpoints and exports hold the learned masks, and configuration
+mistakes are named. (Ranks agreeing under DDP and FSDP2: ``test_distributed.py``.)"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from helpers import MetricsLog, fast_trainer, resumable_fit
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_sparse import Phase, Sparsifier, SparsityCallback, export_state_dict
+from lightning_sparse.algorithms import Learned, build_algorithm
+from lightning_sparse.core.schedule import resolve_phases
+from lightning_sparse.core.selection import select_parameters
+from lightning_sparse.demo import GPTLanguageModel
+from lightning_sparse.engine.report import plan_table
+from lightning_sparse.masks import NM, is_nm, nm_groups
+from lightning_sparse.masks.candidates import candidate_patterns
+
+LEARN = {"sparsity": "2:4", "algorithm": "learned"}
+
+
+class SameTokens(Dataset):
+    """Copies of one batch of token sequences: every batch of every epoch is the same, so a
+    resumed run sees the batches of the uninterrupted one (see DESIGN.md, exact resume)."""
+
+    def __init__(self, n: int = 16, batch_size: int = 4, length: int = 16) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, 256, (batch_size, length + 1), generator=gen)
+        self.n, self.batch_size = n, batch_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        row = self.tokens[i % self.batch_size]
+        return row[:-1], row[1:]
+
+
+class HFGPT2(L.LightningModule):
+    """A tiny Hugging Face GPT-2 (``Conv1D`` layers, 2 blocks of width 64) on token batches,
+    without dropout (a resume must not depend on the global random stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from hf_models import tiny_gpt2  # skips the HF cases without transformers
+
+        self.model = tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self.model(input_ids=x, labels=x).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+MODELS = ["gpt", "hf"]
+
+
+def build(model: str) -> L.LightningModule:
+    if model == "gpt":
+        return GPTLanguageModel(n_layer=1, n_embd=32, block_size=16, warmup_steps=0)
+    return HFGPT2()
+
+
+def fit(
+    model_name: str,
+    phases: list[dict[str, Any]],
+    max_steps: int,
+    before: tuple[L.Callback, ...] = (),
+    after: tuple[L.Callback, ...] = (),
+    tmp_path: Any = None,
+    stop_at: int | None = None,
+    ckpt_path: Any = None,
+    seed: int = 0,
+) -> tuple[L.LightningModule, SparsityCallback, L.Trainer]:
+    """Fit ``model_name`` (``"gpt"`` or ``"hf"``) under ``phases`` on identical batches by
+    :func:`~helpers.resumable_fit`; ``before``/``after``: callbacks around the
+    SparsityCallback (hooks run in list order)."""
+    sparsity = SparsityCallback(phases=phases, verbose=False)
+    model = resumable_fit(
+        tmp_path,
+        [*before, sparsity, *after],
+        max_steps,
+        stop_at,
+        ckpt_path,
+        seed,
+        model=lambda: build(model_name),
+        loader=DataLoader(SameTokens(), batch_size=4),
+    )
+    return model, sparsity, model.trainer
+
+
+def learner(trainer: L.Trainer) -> Learned:
+    """The learned algorithm of the trainer's SparsityCallback (in a learned phase)."""
+    (sparsity,) = [cb for cb in trainer.callbacks if isinstance(cb, SparsityCallback)]
+    algo = sparsity.sparsifier.algorithm
+    assert isinstance(algo, Learned)
+    return algo
+
+
+def sparsifier_of(trainer: L.Trainer) -> Sparsifier:
+    (sparsity,) = [cb for cb in trainer.callbacks if isinstance(cb, SparsityCallback)]
+    return sparsity.sparsifier
+
+
+class Gradients(L.Callback):
+    """Before the SparsityCallback: the logits' gradients as each optimizer step finds them."""
+
+    def __init__(self) -> None:
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads[trainer.global_step] = {
+            name: logits.grad.clone()
+            for name, logits in learner(trainer).logits.items()
+        }
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_logit_gets_a_gradient_from_the_loss(model):
+    grads = Gradients()
+    _, sparsity, _ = fit(model, [LEARN], 2, before=(grads,))
+    assert sorted(grads.grads) == [0, 1]
+    targets = sparsity.sparsifier.targets
+    assert sorted(grads.grads[0]) == sorted(t.name for t in targets)
+    for t in targets:
+        grad = grads.grads[0][t.name]
+        assert grad.shape == (t.param.numel() // 4, 6)
+        assert bool(grad.isfinite().all()), t.name
+        assert float((grad != 0).float().mean()) > 0.9, t.name
+
+
+def test_the_soft_sample_is_differentiable_in_the_logits():
+    """``torch.autograd.gradcheck`` (float64) of a training sample against the logits, soft
+    and straight-through (whose gradient is the soft sample's)."""
+    phase = resolve_phases([Phase(**LEARN)], total_steps=10)[0]
+    algo = build_algorithm(phase)
+    weight = torch.randn(4, 8)
+    algo.begin(3, {"w": algo.initial_mask(weight, phase.target, None)})
+    logits = algo.logits["w"].detach().double().requires_grad_(True)
+
+    def sample(value: torch.Tensor) -> torch.Tensor:
+        algo.logits["w"] = value
+        return algo.sample("w", training=True)
+
+    assert torch.autograd.gradcheck(sample, (logits,))
+    soft = sample(logits)
+    algo.hard = True
+    hard = sample(logits)
+    assert bool(((hard == 0) | (hard == 1)).all())  # the sampled pattern itself
+    (g_soft,) = torch.autograd.grad(soft.sum() + (soft * weight).sum(), logits)
+    (g_hard,) = torch.autograd.grad(hard.sum() + (hard * weight).sum(), logits)
+    assert torch.allclose(
+        g_soft, g_hard
+    )  # straight-through: the soft sample's gradient
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    pattern=st.sampled_from([(1, 2), (2, 4), (1, 4), (3, 4), (2, 8), (4, 8)]),
+    rows=st.integers(1, 5),
+    groups=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    step=st.integers(0, 9),
+)
+def test_the_most_likely_and_the_hard_patterns_are_valid_nm(
+    pattern, rows, groups, seed, step
+):
+    target = NM(*pattern)
+    phase = resolve_phases(
+        [Phase(sparsity=str(target), algorithm="learned", hard=True, seed=seed)], 10
+    )[0]
+    algo = build_algorithm(phase)
+    weight = torch.randn(
+        rows, groups * target.m, generator=torch.Generator().manual_seed(seed)
+    )
+    algo.begin(step, {"w": algo.initial_mask(weight, target, None)})
+    algo.logits["w"] = torch.randn(algo.logits["w"].shape) * 10  # anywhere at all
+    algo._likely.clear()
+    for mask in (algo.most_likely("w"), algo.sample("w", training=True).detach() > 0.5):
+        assert mask.dtype == torch.bool and mask.shape == weight.shape
+        assert bool((nm_groups(mask, target.m).sum(-1) == target.n).all())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_checkpointed_and_exported_masks_are_the_most_likely_patterns(model, tmp_path):
+    """After a learned run: the saved masks are exactly N:M (groups along the layer's
+    inputs, also for Conv1D) and equal each layer's most likely pattern; the export folds
+    them in, and evaluation forwards compute exactly the exported model."""
+    trained, sparsity, trainer = fit(model, [{**LEARN, "mask_lr": 0.05}], 3)
+    sp = sparsity.sparsifier
+    state = sp.state_dict()
+    exported = export_state_dict(trainer)
+    algo = learner(trainer)
+    changed = 0
+    for t in sp.targets:
+        mask = state["masks"][f"{t.name}_mask"]
+        rows = t.layer.to_rows(mask)
+        assert is_nm(rows, NM(2, 4)) and int(mask.sum()) * 2 == mask.numel(), t.name
+        assert torch.equal(rows, algo.most_likely(t.name)), t.name
+        assert torch.equal(exported[t.name], t.param.detach() * mask), t.name
+        changed += algo.statistics(t.name)[0]
+    assert changed > 0  # the masks moved away from the magnitude prior
+    dense = build(model)
+    dense.load_state_dict(exported)
+    x = SameTokens()[0][0].unsqueeze(0)
+    trained.eval(), dense.eval()
+    with torch.no_grad():
+        assert torch.equal(trained(x), dense(x))
+
+
+class Schedule(L.Callback):
+    """After the SparsityCallback: the step, temperature and logit scale the learned forwards
+    of each step use."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, float, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        algo = learner(trainer)
+        self.seen.append(
+            (
+                trainer.global_step,
+                algo.step,
+                algo.temperature_at(algo.step),
+                algo.logit_scale_at(algo.step),
+            )
+        )
+
+
+def test_the_temperature_and_logit_scale_follow_the_schedule():
+    schedule = Schedule()
+    phase = {**LEARN, "temperature": [2.0, 0.1], "logit_scale": 50}
+    fit("gpt", [phase], 5, after=(schedule,))
+    assert [(step, seen) for step, seen, _, _ in schedule.seen] == [
+        (s, s) for s in range(5)
+    ]
+    for step, _, temperature, scale in schedule.seen:
+        assert temperature == pytest.approx(2.0 + (0.1 - 2.0) * step / 5)
+        assert scale == 50.0
+    defaults = build_algorithm(resolve_phases([Phase(**LEARN)], total_steps=100)[0])
+    assert (defaults.temperature_at(0), defaults.temperature_at(100)) == (4.0, 0.05)
+    assert (defaults.logit_scale_at(0), defaults.logit_scale_at(50)) == (100.0, 300.0)
+    assert defaults.weight_reg_at(0) == 1e-5 and defaults.weight_reg_at(100) == 0.0
+
+
+def test_samples_harden_as_the_temperature_falls():
+    """The same logits give fractional soft masks at the phase start and (nearly) 0/1 ones at
+    its end, where the temperature is lowest and the logit scale highest."""
+    phase = resolve_phases([Phase(**LEARN)], total_steps=100)[0]
+    algo = build_algorithm(phase)
+    weight = torch.randn(64, 64)
+    algo.begin(0, {"w": algo.initial_mask(weight, phase.target, None)})
+
+    def spread(step: int) -> float:  # how far the soft mask is from 0/1, on average
+        algo.step = step
+        soft = algo.sample("w", training=True).detach()
+        return float(torch.minimum(soft, 1 - soft).mean())
+
+    assert spread(0) > 0.05
+    assert spread(99) < 1e-3
+
+
+class MostLikelyAt(L.Callback):
+    """After the SparsityCallback: the masks the forwards use at the end of step ``last`` (the
+    last of the learned phase) and at the start of the next."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+        self.learned: dict[str, torch.Tensor] = {}
+        self.next: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        sp = sparsifier_of(trainer)
+        if trainer.global_step - 1 == self.last:  # the step just finished
+            self.learned = {t.name: sp.current_mask(t).clone() for t in sp.targets}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        sp = sparsifier_of(trainer)
+        if trainer.global_step == self.last + 1:
+            masks = {t.name: sp.current_mask(t) for t in sp.targets}
+            self.next = {k: m.clone() for k, m in masks.items() if m is not None}
+            self.weights = {t.name: t.param.detach().clone() for t in sp.targets}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("after", ["static", "magnitude", "runtime", "dense"])
+def test_the_next_phase_starts_from_the_learned_patterns(model, after):
+    probe = MostLikelyAt(last=3)
+    nxt = (
+        {"sparsity": 0.0}
+        if after == "dense"
+        else {"sparsity": "2:4", "algorithm": after}
+    )
+    learned = {**LEARN, "until": 4, "mask_lr": 0.05}
+    _, sparsity, _ = fit(model, [learned, nxt], 6, after=(probe,))
+    sp = sparsity.sparsifier
+    assert sp.history == [(0, 0), (4, 1)]
+    assert sp.learned_reports[0] and sum(
+        c for c, _, _ in sp.learned_reports[0].values()
+    )
+    assert set(probe.learned) == {t.name for t in sp.targets}
+    for t in sp.targets:
+        learned_mask, next_mask = probe.learned[t.name], probe.next.get(t.name)
+        if after == "dense":
+            assert next_mask is None
+        elif after == "runtime":  # re-derived from the weights at every forward
+            assert is_nm(t.layer.to_rows(next_mask), NM(2, 4))
+        else:
+            assert torch.equal(next_mask, learned_mask), t.name
+    if after == "static":  # pruned weights stored as zeros, and the masks stay fixed
+        final = sp.state_dict()["masks"]
+        for t in sp.targets:
+            mask = probe.learned[t.name]
+            assert bool((probe.weights[t.name][~mask] == 0).all()), t.name
+            assert torch.equal(final[f"{t.name}_mask"], mask), t.name
+    if after == "dense":
+        assert sp.algorithms[0].logits == {}  # the logits are freed
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("model", "resume_step", "train_weights"),
+    [("gpt", 2, True), ("gpt", 4, False), ("hf", 2, True)],
+)
+def test_resume_is_bitwise_equal_to_the_uninterrupted_run(
+    tmp_path, model, resume_step, train_weights
+):
+    """Resumed inside the learned phase (its logits and their Adam state restored) or at its
+    end (the handover made from restored logits): the same weights, masks and statistics."""
+    phases = [
+        {**LEARN, "until": 4, "mask_lr": 0.05, "train_weights": train_weights},
+        {"sparsity": "2:4", "algorithm": "static"},
+    ]
+    reference, ref_cb, _ = fit(model, phases, 6)
+    fit(model, phases, 6, tmp_path=tmp_path / "ck", stop_at=resume_step)
+    ckpt = tmp_path / "ck" / f"step={resume_step}.ckpt"
+    saved = torch.load(ckpt, weights_only=True)["callbacks"][ref_cb.state_key]
+    assert sorted(saved["learned"]["logits"]) == sorted(
+        t.name for t in ref_cb.sparsifier.targets
+    )
+    resumed, cb, trainer = fit(model, phases, 6, ckpt_path=ckpt, seed=123)
+    assert trainer.global_step == 6
+    expected, got = weights(reference), weights(resumed)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    assert cb.sparsifier.history == ref_cb.sparsifier.history
+    assert cb.sparsifier.learned_reports == ref_cb.sparsifier.learned_reports
+    ref_masks, masks = ref_cb.state_dict()["masks"], cb.state_dict()["masks"]
+    assert all(torch.equal(ref_masks[k], masks[k]) for k in ref_masks)
+
+
+class Frozen(L.Callback):
+    """After the SparsityCallback: the selected weights before and after each step."""
+
+    def __init__(self) -> None:
+        self.before: dict[str, torch.Tensor] = {}
+        self.changed: dict[int, bool] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.before = {
+            t.name: t.param.detach().clone() for t in sparsifier_of(trainer).targets
+        }
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        sp = sparsifier_of(trainer)
+        self.changed[trainer.global_step - 1] = any(
+            not torch.equal(t.param.detach(), self.before[t.name]) for t in sp.targets
+        )
+
+
+def test_train_weights_false_leaves_the_selected_weights_as_they_are():
+    frozen = Frozen()
+    phases = [{**LEARN, "until": 3, "train_weights": False}, {"sparsity": 0.0}]
+    start = build("gpt")
+    model, sparsity, _ = fit("gpt", phases, 5, after=(frozen,))
+    assert frozen.changed == {0: False, 1: False, 2: False, 3: True, 4: True}
+    names = {t.name for t in sparsity.sparsifier.targets}
+    moved = [
+        k for k, v in weights(start).items() if not torch.equal(v, weights(model)[k])
+    ]
+    assert set(moved) - names  # the rest of the model trained
+
+
+@pytest.mark.parametrize("train_weights", [True, "dense"])
+def test_the_weights_learn_from_the_masked_or_the_dense_gradient(train_weights):
+    """``train_weights: true``: the weight's gradient is the product's, the gradient of the
+    masked weight times the sampled mask; ``"dense"``: that gradient unmasked
+    (straight-through), so the weights the mask leaves out keep learning."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    targets = select_parameters(net, params=["0.weight"]).targets
+    phase = Phase(**LEARN, train_weights=train_weights)
+    sp = Sparsifier("g", targets, resolve_phases([phase], 10))
+    sp.on_step_start(0, [])
+    sp.on_step_start(9, [])  # the last step: samples close to the most likely patterns
+    x = torch.randn(5, 16)
+    net(x).square().sum().backward()
+    algo = sp.algorithm
+    soft = algo.sample("0.weight", training=True).detach()  # the same sample: same step
+    masked = (net[0].weight * soft).detach().requires_grad_(True)
+    net[2](torch.tanh(x @ masked.T + net[0].bias)).square().sum().backward()
+    expected = masked.grad if train_weights == "dense" else masked.grad * soft
+    assert torch.allclose(net[0].weight.grad, expected, atol=1e-6)
+    left_out = soft < 1e-6  # (nearly) every weight the sample drops
+    assert bool((net[0].weight.grad[left_out].abs() > 1e-4).any()) == (
+        train_weights == "dense"
+    )
+
+
+def test_the_regulariser_favours_patterns_that_keep_large_weights():
+    """With only the sparse-weight regulariser (no loss), every group's most likely pattern
+    becomes the one that keeps its two largest weights."""
+    phase = resolve_phases(
+        [Phase(**LEARN, weight_reg=1.0, prior_strength=3.0, mask_lr=0.05)], 1000
+    )[0]
+    algo = build_algorithm(phase)
+    gen = torch.Generator().manual_seed(0)
+    # every group holds 1.0, 0.9, 0.2 and 0.1 in a random order, with random signs
+    order = torch.rand(32, 4, generator=gen).argsort(-1)
+    signs = torch.randint(0, 2, (32, 4), generator=gen) * 2 - 1
+    weight = (torch.tensor([1.0, 0.9, 0.2, 0.1])[order] * signs).reshape(8, 16)
+    prior = algo.initial_mask(-weight.abs(), phase.target, None)  # the worst pattern
+    algo.begin(0, {"w": prior})
+    for step in range(100):
+        algo.step = step
+        algo.learn(step, {"w": weight})
+    top2 = algo.initial_mask(weight.abs(), phase.target, None)
+    assert torch.equal(algo.most_likely("w"), top2)
+
+
+def test_convolutions_learn_nm_masks_along_input_channels():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+    phase = Phase(**LEARN, mask_lr=0.1)
+    sp = Sparsifier("conv", targets, resolve_phases([phase], 4))
+    for step in range(4):
+        sp.on_step_start(step, [opt])
+        net(torch.randn(2, 4, 6, 6)).square().mean().backward()
+        sp.before_optimizer_step(step, opt, [opt])
+        opt.step()
+        opt.zero_grad()
+    for t in targets:
+        mask = sp.current_mask(t)
+        assert mask.shape == t.param.shape
+        assert is_nm(
+            mask.movedim(1, -1), NM(2, 4)
+        )  # (out, *kernel, in): along channels
+    assert sum(sp.learned_statistics().values()) > 0
+
+
+def test_logged_statistics_the_start_and_end_lines_and_the_tables(lightning_log):
+    log = MetricsLog()
+    L.seed_everything(0, verbose=False)
+    cb = SparsityCallback(phases=[{**LEARN, "until": 2}, {"sparsity": 0.0}])
+    trainer = fast_trainer(max_steps=3, callbacks=[cb], logger=log, log_every_n_steps=1)
+    trainer.fit(build("gpt"), DataLoader(SameTokens(), batch_size=4))
+    entropy = log.series("sparsity/sparsity/pattern_entropy")
+    changed = log.series("sparsity/sparsity/changed_from_prior")
+    # the learned steps: 0 at the start, then after each step (the dense phase logs none)
+    assert sorted(entropy) == sorted(changed) == [0, 1, 2]
+    assert all(0 < e < math.log(6) for e in entropy.values())
+    assert all(0 <= c <= 1 for c in changed.values())
+    text = lightning_log.text
+    # the fit-start table's cost line, then per layer where the logits start and end
+    assert "learns 2:4 masks: 6 fp32 logits per group of 4" in text
+    assert "a learned mask is a differentiable sample" in text
+    assert "step 0: phase 1 learns 2:4 masks of 4 parameters (weights training)" in text
+    assert "step 2: phase 1 learned its masks" in text
+    for t in cb.sparsifier.targets:  # at the start, and in the summary
+        assert (
+            text.count(f"{t.name}: ") >= 2 and "groups changed from the prior" in text
+        )
+    assert "phase 1 learned masks:" in text
+    assert plan_table(cb.sparsifier, cb.selection) in text
+
+
+@pytest.mark.parametrize(
+    ("phase", "error", "match"),
+    [
+        (
+            {"sparsity": 0.5},
+            TypeError,
+            r"algorithm 'learned' learns which N of every M",
+        ),
+        (
+            {"sparsity": "2:16"},
+            ValueError,
+            r"C\(16, 2\) = 120 candidate patterns.*M <= 8",
+        ),
+        ({"sparsity": "2:4", "temperature": [4.0]}, ValueError, r"temperature=\[4.0\]"),
+        (
+            {"sparsity": "2:4", "temperature": 0},
+            ValueError,
+            r"temperature=0: use a finite",
+        ),
+        (
+            {"sparsity": "2:4", "mask_lr": "fast"},
+            ValueError,
+            r"mask_lr='fast' is not a number",
+        ),
+        ({"sparsity": "2:4", "hard": "yes"}, TypeError, r"hard='yes' has type str"),
+        (
+            {"sparsity": "2:4", "train_weights": "sparse"},
+            TypeError,
+            r"train_weights='sparse'.*use true or false, or 'dense'",
+        ),
+        (
+            {"sparsity": "2:4", "decay": 2e-4},
+            ValueError,
+            r"option 'decay' does nothing",
+        ),
+    ],
+)
+def test_configuration_mistakes_are_named(phase, error, match):
+    with pytest.raises(error, match=match):
+        SparsityCallback(phases=[{"algorithm": "learned", **phase}])
+
+
+def test_learned_options_elsewhere_and_init_after_a_learned_phase_are_refused():
+    with pytest.raises(ValueError, match=r"'temperature' is accepted by \['learned'\]"):
+        SparsityCallback(phases=[{"sparsity": "2:4", "temperature": 1.0}])
+    with pytest.raises(ValueError, match=r"phases\[1\]: init='wanda' does nothing"):
+        SparsityCallback(
+            phases=[
+                {**LEARN, "until": 0.3},
+                {"sparsity": "2:4", "algorithm": "static", "init": "wanda"},
+            ]
+        )
+    # another target: the next phase chooses its own first mask, so init is its to give
+    SparsityCallback(
+        phases=[{**LEARN, "until": 0.3}, {"sparsity": 0.5, "init": "random"}]
+    )
+
+
+def test_a_damaged_learned_state_is_named_before_anything_changes(tmp_path):
+    phases = [{**LEARN, "until": 5}, {"sparsity": 0.0}]
+    fit("gpt", phases, 8, tmp_path=tmp_path, stop_at=2)
+    ckpt = torch.load(tmp_path / "step=2.ckpt", weights_only=True)
+    key = next(k for k in ckpt["callbacks"] if k.startswith("SparsityCallback"))
+    state = ckpt["callbacks"][key]
+    name = next(iter(state["learned"]["logits"]))
+    state["learned"]["logits"][name] = state["learned"]["logits"][name][:-1]
+    torch.save(ckpt, tmp_path / "bad.ckpt")
+    with pytest.raises(ValueError, match=rf"the learned logits of '{name}' are not"):
+        fit("gpt", phases, 8, ckpt_path=tmp_path / "bad.ckpt")
+    del state["learned"]
+    torch.save(ckpt, tmp_path / "none.ckpt")
+    with pytest.raises(
+        ValueError, match=r"saved in phase 1 \(algorithm 'learned'\).*no learned"
+    ):
+        fit("gpt", phases, 8, ckpt_path=tmp_path / "none.ckpt")
+
+
+def test_a_learned_phase_needs_an_end():
+    phases = resolve_phases([Phase(**LEARN)])  # run length unknown: no end
+    with pytest.raises(
+        ValueError, match=r"anneals its temperature.*give the phase an 'until'"
+    ):
+        build_algorithm(phases[0])
+
+
+def test_the_pattern_table():
+    table = candidate_patterns(NM(2, 4))
+    assert table.shape == (6, 4) and bool((table.sum(-1) == 2).all())
+    assert len({tuple(row.tolist()) for row in table}) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_learned_masks_on_a_gpu_in_bf16_are_reproducible_and_valid():
+    """On a CUDA GPU under bf16 autocast the learned phase runs and hands on valid 2:4 masks,
+    and two runs agree bit for bit (the Gumbel noise comes from the GPU's seeded generator)."""
+
+    def run() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        L.seed_everything(0, verbose=False)
+        cb = SparsityCallback(
+            phases=[
+                {**LEARN, "until": 3, "mask_lr": 0.05},
+                {"sparsity": "2:4", "algorithm": "static"},
+            ],
+            verbose=False,
+        )
+        trainer = L.Trainer(
+            accelerator="cuda", devices=1, precision="bf16-mixed", max_steps=5,
+            callbacks=[cb], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+        )  # fmt: skip
+        model = build("gpt")
+        trainer.fit(model, DataLoader(SameTokens(), batch_size=4))
+        masks = {k: v.cpu() for k, v in cb.sparsifier.state_dict()["masks"].items()}
+        return masks, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    masks, weights = run()
+    again, weights_again = run()
+    assert all(torch.equal(masks[k], again[k]) for k in masks)
+    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
+    for mask in masks.values():
+        assert is_nm(mask, NM(2, 4)) and int(mask.sum()) * 2 == mask.numel()
