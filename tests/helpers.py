@@ -542,3 +542,20 @@ def install_runtime(
     for target in targets:
         forwards.install(0, target, algo, None)
     return targets
+
+
+class SameTokens(Dataset):
+    """Copies of one batch of token sequences: every batch of every epoch is the same, so a
+    resumed run sees the batches of the uninterrupted one (see DESIGN.md, exact resume)."""
+
+    def __init__(self, n: int = 16, batch_size: int = 4, length: int = 16) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, 256, (batch_size, length + 1), generator=gen)
+        self.n, self.batch_size = n, batch_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        row = self.tokens[i % self.batch_size]
+        return row[:-1], row[1:]

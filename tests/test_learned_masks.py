@@ -2,7 +2,8 @@
 the forward is differentiable in the logits, the most likely pattern is always a valid N:M
 mask, the temperature follows its schedule, the next phase starts from the learned pattern,
 a resume is bitwise, checkpoints and exports hold the learned masks, and configuration
-mistakes are named. (Ranks agreeing under DDP and FSDP2: ``test_distributed.py``.)"""
+mistakes are named. (Ranks agreeing under DDP and FSDP2: ``test_distributed.py``; on a GPU:
+``test_learned_masks_gpu.py``.)"""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import MetricsLog, fast_trainer, resumable_fit
+from helpers import MetricsLog, SameTokens, fast_trainer, resumable_fit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_sparse import Phase, Sparsifier, SparsityCallback, export_state_dict
 from lightning_sparse.algorithms import Learned, build_algorithm
@@ -28,23 +29,6 @@ from lightning_sparse.masks import NM, is_nm, nm_groups
 from lightning_sparse.masks.candidates import candidate_patterns
 
 LEARN = {"sparsity": "2:4", "algorithm": "learned"}
-
-
-class SameTokens(Dataset):
-    """Copies of one batch of token sequences: every batch of every epoch is the same, so a
-    resumed run sees the batches of the uninterrupted one (see DESIGN.md, exact resume)."""
-
-    def __init__(self, n: int = 16, batch_size: int = 4, length: int = 16) -> None:
-        gen = torch.Generator().manual_seed(0)
-        self.tokens = torch.randint(0, 256, (batch_size, length + 1), generator=gen)
-        self.n, self.batch_size = n, batch_size
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> Any:
-        row = self.tokens[i % self.batch_size]
-        return row[:-1], row[1:]
 
 
 class HFGPT2(L.LightningModule):
@@ -585,36 +569,3 @@ def test_the_pattern_table():
     table = candidate_patterns(NM(2, 4))
     assert table.shape == (6, 4) and bool((table.sum(-1) == 2).all())
     assert len({tuple(row.tolist()) for row in table}) == 6
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_learned_masks_on_a_gpu_in_bf16_are_reproducible_and_valid():
-    """On a CUDA GPU under bf16 autocast the learned phase runs and hands on valid 2:4 masks,
-    and two runs agree bit for bit (the Gumbel noise comes from the GPU's seeded generator)."""
-
-    def run() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        L.seed_everything(0, verbose=False)
-        cb = SparsityCallback(
-            phases=[
-                {**LEARN, "until": 3, "mask_lr": 0.05},
-                {"sparsity": "2:4", "algorithm": "static"},
-            ],
-            verbose=False,
-        )
-        trainer = L.Trainer(
-            accelerator="cuda", devices=1, precision="bf16-mixed", max_steps=5,
-            callbacks=[cb], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-        )  # fmt: skip
-        model = build("gpt")
-        trainer.fit(model, DataLoader(SameTokens(), batch_size=4))
-        masks = {k: v.cpu() for k, v in cb.sparsifier.state_dict()["masks"].items()}
-        return masks, {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-    masks, weights = run()
-    again, weights_again = run()
-    assert all(torch.equal(masks[k], again[k]) for k in masks)
-    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
-    for mask in masks.values():
-        assert is_nm(mask, NM(2, 4)) and int(mask.sum()) * 2 == mask.numel()
