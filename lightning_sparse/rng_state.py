@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sparse.engine.ranks import world_size
+
 
 def capture() -> dict[str, Any]:
     """The global generators' states (see the module docstring)."""
@@ -50,12 +52,10 @@ def capture_ranks() -> list[dict[str, Any]]:
     """:func:`capture` of every process, in rank order (a collective under
     ``torch.distributed``: call it on every rank)."""
     mine = capture()
-    if (
-        not (dist.is_available() and dist.is_initialized())
-        or dist.get_world_size() == 1
-    ):
+    ranks = world_size()
+    if ranks == 1:
         return [mine]
-    states: list[Any] = [None] * dist.get_world_size()
+    states: list[Any] = [None] * ranks
     dist.all_gather_object(states, mine)
     return states
 

@@ -56,6 +56,7 @@ from lightning_sparse.core.layers import LayerType
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
 from lightning_sparse.engine.feasibility import check_phase
+from lightning_sparse.engine.ranks import world_size
 from lightning_sparse.engine.sharding import is_sharded
 
 
@@ -331,10 +332,7 @@ def agree_across_ranks(choices: dict[tuple[int, str], BackendChoice]) -> None:
     leave the ranks running different kernels. Called with ``verify_speed``, and for
     FSDP2-sharded parameters. A collective: in a distributed run every rank must call it,
     with the same keys (the callback builds the same engine on every rank at fit start)."""
-    if (
-        not (dist.is_available() and dist.is_initialized())
-        or dist.get_world_size() == 1
-    ):
+    if world_size() == 1:
         return
     keys = sorted(choices)
     device = (

@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sparse.core.selection import ParamTarget
 from lightning_sparse.engine.layer_threads import for_each_layer, update_threads
+from lightning_sparse.engine.ranks import sum_over_ranks, world_size
 from lightning_sparse.masks.elementwise import (
     as_multiplier,
     multiply_by_mask_,
@@ -106,18 +106,12 @@ def average_over_ranks(params: Sequence[Tensor]) -> None:
     without one counts zeros), in one all-reduce of them all: for parameters that no
     data-parallel wrapper averages, such as a learned mask's logits. Every rank must call it
     with the same parameters (a collective); nothing happens in a single process."""
-    if (
-        not (dist.is_available() and dist.is_initialized())
-        or dist.get_world_size() == 1
-    ):
+    ranks = world_size()
+    if ranks == 1:
         return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))  # type: ignore[union-attr]
-        offset += p.numel()
+    grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+    for grad, total in zip(grads, sum_over_ranks(grads)):
+        grad.copy_(total / ranks)

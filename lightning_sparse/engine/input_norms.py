@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from typing_extensions import Self  # a dependency of torch
 
 from lightning_sparse.core.selection import ParamTarget
+from lightning_sparse.engine.ranks import sum_over_ranks
 
 
 def input_norms_unsupported(target: ParamTarget) -> str | None:
@@ -92,8 +92,7 @@ class InputNorms:
         every rank). Raises if a layer saw no input (its forward never ran)."""
         device = self.targets[0].param.device if self.targets else torch.device("cpu")
         idle = [name for name, sums in self.sums.items() if sums is None]
-        flag = torch.tensor([float(len(idle))], device=device)
-        _all_reduce(flag)
+        (flag,) = sum_over_ranks([torch.tensor([float(len(idle))], device=device)])
         if flag.item():  # on every rank, so that no rank waits in the reduction below
             raise ValueError(
                 f"no input reached the layers of parameters {idle[:5]} during the calibration "
@@ -102,18 +101,11 @@ class InputNorms:
             )
         sums = {name: s for name, s in self.sums.items() if s is not None}
         counts = torch.tensor([float(n) for n in self.counts.values()], device=device)
-        flat = torch.cat([s.reshape(-1).to(device) for s in sums.values()] + [counts])
-        _all_reduce(flat)  # one collective for every layer
-        totals = flat[-len(counts) :]
-        result, offset = {}, 0
-        for i, (name, s) in enumerate(sums.items()):
-            part = flat[offset : offset + s.numel()].view(s.shape)
-            offset += s.numel()
-            result[name] = (part / totals[i]).sqrt()
-        return result
-
-
-def _all_reduce(tensor: Tensor) -> None:
-    """Sum ``tensor`` over the ranks in place (nothing to do in a single process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
+        # one collective for every layer
+        *parts, totals = sum_over_ranks(
+            [*(s.to(device) for s in sums.values()), counts]
+        )
+        return {
+            name: (part / totals[i]).sqrt()
+            for i, (name, part) in enumerate(zip(sums, parts))
+        }
