@@ -4,6 +4,8 @@ statistics are kept in checkpoints for the end-of-fit summary.
 
 Example:
     >>> report = {"fc.weight": (12, 48, 0.21)}
+    >>> overall(report)
+    (12, 48, 0.21)
     >>> summarize("sparsity", 0, report, 30)
     '[sparsity] step 30: phase 1 learned its masks: 25.0% of 48 groups changed from the prior, mean pattern entropy 0.21 nats'
     >>> layer_lines(report)
@@ -25,6 +27,20 @@ LearnedReports = dict[int, dict[str, tuple[int, int, float]]]
 pattern entropy in nats)``, as :meth:`~lightning_sparse.algorithms.Learned.statistics` gives."""
 
 
+def layer_statistics(algo: Learned) -> dict[str, tuple[int, int, float]]:
+    """Per parameter ``algo`` learns masks for, in its order: its
+    :meth:`~lightning_sparse.algorithms.Learned.statistics` now."""
+    return {param: algo.statistics(param) for param in algo.logits}
+
+
+def overall(report: Mapping[str, tuple[int, int, float]]) -> tuple[int, int, float]:
+    """``(groups changed from the prior, groups, mean pattern entropy)`` over every
+    parameter of ``report``, the entropy weighted by the groups."""
+    changed = sum(c for c, _, _ in report.values())
+    groups = sum(g for _, g, _ in report.values())
+    return changed, groups, sum(g * e for _, g, e in report.values()) / max(groups, 1)
+
+
 def logit_bytes(groups: int, candidates: int) -> int:
     """Bytes of fp32 state a learned phase holds for ``groups`` groups of ``candidates``
     patterns: the logits, their gradient and Adam's two moments."""
@@ -36,7 +52,7 @@ def describe_start(name: str, algo: Learned, step: int, resumed: bool = False) -
     what it learns, what it costs, and where each layer's logits stand."""
     groups = sum(math.prod(shape) for shape in algo.shapes.values()) // algo.target.m
     candidates = candidate_count(algo.target)
-    report = {param: algo.statistics(param) for param in algo.logits}
+    report = layer_statistics(algo)
     frozen = {False: "frozen", True: "training", "dense": "training, dense gradient"}[
         algo.train_weights
     ]
@@ -56,9 +72,7 @@ def summarize(
     name: str, index: int, report: Mapping[str, tuple[int, int, float]], step: int
 ) -> str:
     """The log line of learned phase ``index`` ending at ``step`` with ``report``."""
-    changed = sum(c for c, _, _ in report.values())
-    groups = sum(g for _, g, _ in report.values())
-    entropy = sum(g * e for _, g, e in report.values()) / max(groups, 1)
+    changed, groups, entropy = overall(report)
     return (
         f"[{name}] step {step}: phase {index + 1} learned its masks: "
         f"{changed / max(groups, 1):.1%} of {groups} groups changed from the prior, mean "

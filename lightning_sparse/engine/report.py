@@ -8,7 +8,7 @@ from lightning_sparse.algorithms import Learned
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import Selection
 from lightning_sparse.engine.flips import FlipRate
-from lightning_sparse.engine.learning import layer_lines, logit_bytes
+from lightning_sparse.engine.learning import layer_lines, layer_statistics, logit_bytes
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import describe
 from lightning_sparse.masks.candidates import candidate_count
@@ -113,9 +113,7 @@ def summary(
         lines.append(f"  flip rate: {measured}")
     reports = dict(sp.learned_reports)
     if isinstance(sp.algorithm, Learned):  # still learning: where it stands now
-        reports[sp.algorithm.phase.index] = {
-            t.name: sp.algorithm.statistics(t.name) for t in sp.targets
-        }
+        reports[sp.algorithm.phase.index] = layer_statistics(sp.algorithm)
     for index, report in sorted(reports.items()):
         lines.append(f"  phase {index + 1} learned masks:")
         lines += [f"    {line}" for line in layer_lines(report)]

@@ -62,6 +62,8 @@ from lightning_sparse.engine.layer_threads import (
 from lightning_sparse.engine.learning import (
     LearnedReports,
     describe_start,
+    layer_statistics,
+    overall,
     read_reports,
     summarize,
 )
@@ -268,14 +270,12 @@ class Sparsifier:
         if not isinstance(old, Learned):
             return None
         index = old.phase.index
-        self.learned_reports[index] = self._learned_statistics(old)
+        report = self.learned_reports[index] = layer_statistics(old)
+        line = summarize(self.name, index, report, step)
         if new is None or new.index != index + 1 or new.index not in self.handed:
-            self.log(summarize(self.name, index, self.learned_reports[index], step))
+            self.log(line)
             return None
-        self.log(
-            summarize(self.name, index, self.learned_reports[index], step)
-            + f"; phase {new.index + 1} starts from these masks"
-        )
+        self.log(f"{line}; phase {new.index + 1} starts from these masks")
         return {t.name: old.most_likely(t.name).clone() for t in self.targets}
 
     def _calibrate(self, algo: SparsityAlgorithm, step: int) -> dict[str, Tensor]:
@@ -484,9 +484,6 @@ class Sparsifier:
             }
         algo.learn(step, weights)
 
-    def _learned_statistics(self, algo: Learned) -> dict[str, tuple[int, int, float]]:
-        return {t.name: algo.statistics(t.name) for t in self.targets}
-
     def learned_statistics(self) -> dict[str, float]:
         """In a learned phase: the fraction of the group's N:M groups whose most likely
         pattern differs from the prior's (``changed_from_prior``) and the mean entropy of
@@ -494,12 +491,8 @@ class Sparsifier:
         algo = self.algorithm
         if not isinstance(algo, Learned):
             return {}
-        stats = self._learned_statistics(algo).values()
-        groups = sum(g for _, g, _ in stats)
-        return {
-            "changed_from_prior": sum(c for c, _, _ in stats) / groups,
-            "pattern_entropy": sum(g * e for _, g, e in stats) / groups,
-        }
+        changed, groups, entropy = overall(layer_statistics(algo))
+        return {"changed_from_prior": changed / groups, "pattern_entropy": entropy}
 
     def _finite(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the group's weights and every gradient the optimizer will apply are finite: a
