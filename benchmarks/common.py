@@ -24,6 +24,13 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def mean_std_cell(values: Sequence[float]) -> str:
+    """A table cell for one result over seeds: ``mean ± sample std (each seed's value)``."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    each = ", ".join(f"{v:.3f}" for v in values)
+    return f"{statistics.fmean(values):.3f} ± {std:.3f} ({each})"
+
+
 def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage reachable from Python (params, grads, optimizer
     state, masks, buffers, cached tensors), after a full garbage collection. Differences between

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import time
 import warnings
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import markdown_table, median
+from common import markdown_table, mean_std_cell, median
 from prune_pretrained import ValLoss, data, train_dense, trainer
 
 from lightning_sparse import SparsityCallback, export_state_dict
@@ -115,13 +114,6 @@ def prune(
     return fixed, loss.at_step, loss.end, time.perf_counter() - started
 
 
-def cell(values: list[float]) -> str:
-    each = ", ".join(f"{v:.3f}" for v in values)
-    if len(values) == 1:
-        return each
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({each})"
-
-
 def pruning(args: argparse.Namespace) -> None:
     runs = variants(args.learn_steps, args.learned)
     header = [
@@ -151,7 +143,7 @@ def pruning(args: argparse.Namespace) -> None:
     if len(args.seeds) > 1:
         print(f"\nseeds {args.seeds}: mean ± sample std (per seed)")
         rows = [
-            [label, *(cell([v[i] for v in losses]) for i in range(3))]
+            [label, *(mean_std_cell([v[i] for v in losses]) for i in range(3))]
             for label, losses in by_label.items()
         ]
         print(markdown_table(header, rows))

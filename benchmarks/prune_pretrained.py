@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import tempfile
 import time
 import warnings
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from common import markdown_table, quiet_cpu_trainer
+from common import markdown_table, mean_std_cell, quiet_cpu_trainer
 
 from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.demo import GPTLanguageModel, PydocTextDataModule
@@ -179,13 +178,6 @@ def summary_rows(
     by_row: dict[tuple[str, str], list[tuple[float, float]]], finetuned: bool
 ) -> list[list[str]]:
     """One row per (target, init): each loss as mean ± std over the seeds, then each seed's."""
-
-    def cell(values: list[float]) -> str:
-        each = ", ".join(f"{v:.3f}" for v in values)
-        return (
-            f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({each})"
-        )
-
     rows = []
     for (label, init), losses in by_row.items():
         after = [end for _, end in losses]
@@ -194,8 +186,8 @@ def summary_rows(
             [
                 label,
                 init,
-                cell([start for start, _ in losses]),
-                cell(after) if tuned else "-",
+                mean_std_cell([start for start, _ in losses]),
+                mean_std_cell(after) if tuned else "-",
             ]
         )
     return rows

@@ -62,7 +62,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import markdown_table, quiet_cpu_trainer
+from common import markdown_table, mean_std_cell, quiet_cpu_trainer
 from lightning.pytorch.loggers import Logger
 
 from lightning_sparse import SparsityCallback
@@ -234,13 +234,6 @@ def train(run: Run) -> tuple[Run, float, float, dict[int, float]]:
     return run, metric, time.perf_counter() - start, flips.rates
 
 
-def _cell(values: list[float]) -> str:
-    mean = statistics.fmean(values)
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    each = ", ".join(f"{v:.3f}" for v in values)
-    return f"{mean:.3f} ± {std:.3f} ({each})"
-
-
 def _mean_by_step(runs: list[dict[int, float]]) -> dict[int, float]:
     steps = sorted(set.intersection(*(set(r) for r in runs)))
     return {step: statistics.fmean(r[step] for r in runs) for step in steps}
@@ -369,7 +362,7 @@ def main() -> None:
         cells = []
         for model in args.models:
             by_seed = results[model, schedule]
-            cells.append(_cell([by_seed[s] for s in sorted(by_seed)]))
+            cells.append(mean_std_cell([by_seed[s] for s in sorted(by_seed)]))
         rows.append([schedule, *cells])
     print(markdown_table(header, rows))
     print()
