@@ -524,13 +524,13 @@ class SparsityCallback(Callback):
                 )
 
 
-PHASE_OPTIONS = tuple(f.name for f in fields(Phase) if f.name != "sparsity")
-"""The keys of a phase that ``SparsityCallback`` accepts beside ``sparsity=``."""
 _PHASE_DEFAULTS = {
     f.name: f.default if f.default is not MISSING else f.default_factory()
     for f in fields(Phase)
     if f.name != "sparsity"
 }
+PHASE_OPTIONS = tuple(_PHASE_DEFAULTS)
+"""The keys of a phase that ``SparsityCallback`` accepts beside ``sparsity=``."""
 
 
 def check_phase_options(options: Mapping[str, Any], one_phase: bool) -> None:
