@@ -8,11 +8,11 @@ The measurement is a training step's worth of one layer: ``tokens`` rows of rand
 matmul dtype (``verify_speed_tokens``: the rows of one matmul in a training step, e.g. batch x
 sequence length; :data:`VERIFY_TOKENS` where not given), forward then backward (input and
 weight gradients), the runtime 2:4 projection included, the best of a few rounds after a
-warm-up. The ratio depends on the token count, most where 2:4 gains or loses least. It is timed the way the model runs
-(:func:`timing_for`): eagerly, or captured and replayed as a CUDA graph for a model compiled
-with CUDA graphs (``torch.compile(mode="reduce-overhead")``), where the cuSPARSELt calls'
-CPU cost, larger than the matmul at ViT and GPT-2 sizes, is not paid. The weight has known values (distinct
-magnitudes in every 4x4 tile), so the sparse output is also compared with dense math on the
+warm-up. The ratio depends on the token count, most where 2:4 gains or loses least. It is
+timed the way the model runs (:func:`timing_for`): eagerly, or captured and replayed as a CUDA
+graph for a model compiled with CUDA graphs (``torch.compile(mode="reduce-overhead")``), where
+the cuSPARSELt calls' CPU cost, larger than the matmul at ViT and GPT-2 sizes, is not paid. The
+weight has known values (distinct magnitudes in every 4x4 tile), so the sparse output is also compared with dense math on the
 same 2:4 weight: a kernel that goes wrong only at some shapes is caught at those shapes.
 
 Example (``measure_speedup`` on the CPU times the emulation; it is meaningful on a GPU only):
