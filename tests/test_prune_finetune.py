@@ -7,6 +7,7 @@ compressed with ``--export_to``; then load the compressed file back."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -138,25 +139,27 @@ def test_init_from_a_file_of_another_model_or_no_file_ends_with_the_reason(
 
 
 def test_learn_masks_fix_them_fine_tune_and_export_compressed(
-    dense_checkpoint, tmp_path
+    dense_checkpoint, tmp_path, caplog
 ):
     """recipes/gpt/learn_masks_cpu.yaml: masks learned for 30 steps from Wanda's prior with the
-    weights frozen, then fixed (static) and fine-tuned; the export holds the learned 2:4
-    masks as it holds any other phase's."""
+    weights frozen, then handed to a static phase, which zeroes the pruned weights and
+    fine-tunes the rest; the export holds the learned 2:4 masks as it holds any other
+    phase's."""
     export = tmp_path / "out" / "model.safetensors"
-    cli = SparseCLI(
-        args=[
-            "fit",
-            f"--config={RECIPES / 'learn_masks_cpu.yaml'}",
-            f"--init_from={dense_checkpoint}",
-            f"--export_to={export}",
-            f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.max_steps=34",
-            "--trainer.val_check_interval=6",
-            "--trainer.callbacks+=helpers.WeightsAtTrainStart",
-            *TINY,
-        ]
-    )
+    with caplog.at_level(logging.INFO):
+        cli = SparseCLI(
+            args=[
+                "fit",
+                f"--config={RECIPES / 'learn_masks_cpu.yaml'}",
+                f"--init_from={dense_checkpoint}",
+                f"--export_to={export}",
+                f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.max_steps=34",
+                "--trainer.val_check_interval=6",
+                "--trainer.callbacks+=helpers.WeightsAtTrainStart",
+                *TINY,
+            ]
+        )
     trainer = cli.trainer
     sparsity = next(c for c in trainer.callbacks if isinstance(c, SparsityCallback))
     start = next(
@@ -164,19 +167,23 @@ def test_learn_masks_fix_them_fine_tune_and_export_compressed(
     ).weights
     assert trainer.global_step == 34
     assert sparsity.sparsifier.history == [(0, 0), (30, 1)]
+    assert "phase 1 learned its masks" in caplog.text
+    assert "phase 2 starts from these masks" in caplog.text
     masks = sparsity.sparsifier.masks
-    assert len(masks) == 4
+    assert sorted(masks) == sorted(sparsity.sparsifier.learned_reports[0])
     dense = export_state_dict(dense_checkpoint)
-    exported = export_state_dict(trainer)
+    weights = trainer.lightning_module.state_dict()
     for name, mask in masks.items():
         assert is_nm(mask, NM(2, 4)), name
-        assert torch.equal(start[name], dense[name]), (
-            name
-        )  # straight-through: stored dense
-        assert torch.equal(exported[name], exported[name] * mask), name
-        assert not torch.equal(exported[name], dense[name] * mask), name  # fine-tuned
+        # straight-through while learning: the stored weights start dense
+        assert torch.equal(start[name], dense[name]), name
+        # static from step 30: the pruned weights are stored as zeros, the rest fine-tuned
+        assert torch.equal(weights[name], weights[name] * mask), name
+        assert not torch.equal(weights[name], dense[name] * mask), name
+    exported = export_state_dict(trainer)
     loaded = load_compressed(export)
     assert all(torch.equal(loaded[k], exported[k]) for k in exported)
+    assert all(torch.equal(exported[name], weights[name]) for name in masks)
     with safe_open(str(export), framework="pt") as f:
         sparse = json.loads(f.metadata()["sparse"])
     assert {name: sparse[name]["pattern"] for name in masks} == dict.fromkeys(
