@@ -3,13 +3,13 @@
 - ``lightning_sparse::linear_24_projected(x, weight, bias, transposed)``: ``W24`` is the
   greedy transposable 2:4 projection of ``weight``, packed in cuSPARSELt's format (and
   ``W24.T`` too, for the input gradient, where ``transposed``); runs ``torch._cslt_sparse_mm``
-  with the algorithm searched for its shape (:mod:`~lightning_sparse.backends.cusparselt_algorithms`).
-  Its backward multiplies ``grad`` by ``W24.T`` packed
-  (``lightning_sparse::linear_24_packed_input_grad``) and computes the weight gradient
-  ``grad.T @ x`` densely (straight-through to the weight). Where the Triton kernels pack
-  (:mod:`~lightning_sparse.backends.triton_sparse24`), one pass over the weight chooses the
-  mask (:func:`~lightning_sparse.masks.tiles.transposable_2to4_mask`'s choice, ties included)
-  and writes both packings; else torch's tile kernel chooses it
+  with the algorithm searched for its shape
+  (:mod:`~lightning_sparse.backends.cusparselt_algorithms`). Its backward multiplies ``grad``
+  by ``W24.T`` packed (``lightning_sparse::linear_24_packed_input_grad``) and computes the
+  weight gradient ``grad.T @ x`` densely (straight-through to the weight). Where the Triton
+  kernels pack (:mod:`~lightning_sparse.backends.triton_sparse24`), one pass over the weight
+  chooses the mask (:func:`~lightning_sparse.masks.tiles.transposable_2to4_mask`'s choice, ties
+  included) and writes both packings; else torch's tile kernel chooses it
   (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`) and :func:`pack` packs.
 - ``lightning_sparse::linear_24(x, w24, bias)``: the same for a 2:4 weight given as it is (a
   stored mask at a shape our packers do not know); its backward packs ``w24.T``

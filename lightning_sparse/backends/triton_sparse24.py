@@ -11,29 +11,35 @@ bit (under ``TRITON_INTERPRET=1`` on the CPU):
 - :func:`pack`: ``packing(mask).compress(W)`` and ``packing(mask.T).compress(W.T)``
   (:mod:`~lightning_sparse.backends.cusparselt_packer`, whose docstring has the format).
 
-One program reads one ``128 x 128`` block of ``W`` once and writes its share of both packings
-(``n``, ``k``: multiples of 128; the format's metadata interleaves rows in blocks of 64 and group
-columns in blocks of 8, so a block's share is whole regions of both outputs)::
+One program reads one ``B x B`` block of ``W`` (``B = 128``, or 64) once and writes its share of
+both packings. ``n`` and ``k`` are multiples of 128, and cuSPARSELt's metadata is laid out in
+regions of 64 rows by 8 groups (128 words; the interleave inside a region is the packer's), so a
+block's share is whole regions of both outputs::
 
-        W (n, k), one block                 packed W (n, 9k/16)           packed W.T (k, 9n/16)
-      +-------------------+            +-------------+-----+       +-------------+-----+
-      | 4x4 tiles: greedy |  rows of   | values:     |     |       | values:     |     |
-      | mask, 16 |w| keys |  groups -> | 2 per group |     |       | 2 per group |     |
-      | sorted per tile   |            | row-major   |     |       | row-major   |     |
-      |                   |  columns   +-------------+     |       +-------------+     |
-      |   (row0, col0)    |  of groups | metadata: a nibble per group, 64-row x 8-group  |
-      +-------------------+  -------->   regions of 128 words, interleaved (see packer)  |
+    W (n, k), 16-bit        packed W (n, 9k/16), read flat
+    +------+------+--       +-------------------------------+----------------------------+
+    |(i,j) |      |         | values (n, k/2): rows iB..,   | metadata (n k/8 bytes):    |
+    | B x B|      |  ---->  | columns jB/2..: per group its | regions (R, C), R from     |
+    +------+------+         | 2 stored values, positions    | iB/64, C from jB/32; one   |
+    |      |      |         | ascending, padding +0         | nibble idx0 | idx1 << 2    |
+                            +-------------------------------+ per group                  |
+                                                            +----------------------------+
+    one 4x4 tile:           key = |w| bits << 4 | 15 - p,   packed W.T (k, 9n/16): the
+      p =  0  1  2  3       sorted by the network, visited  same from the block's
+           4  5  6  7       largest first: kept while its   transpose: rows jB..,
+           8  9 10 11       tile row and tile column each   regions R from jB/64,
+          12 13 14 15       hold fewer than 2               C from iB/32
 
-The greedy runs per tile on 16 keys ``|w| bits << 4 | 15 - position`` (distinct, so the order
-is that of a stable descending sort): a sorting network, then 16 visits that keep an entry while
-its tile row and column each hold fewer than 2. The runtime packing stores the non-zeros of
-``W * mask`` (a kept ``-0.0`` or ``+0.0`` is padding, as ``compress`` reads it); the stored-mask
-packing stores the mask's positions, zeros included.
+The keys are distinct, so their order is that of a stable descending sort (ties to the earlier
+position), as in the torch reference, whose sorting network this is. The runtime packing stores
+the non-zeros of ``W * mask`` (a kept ``-0.0`` or ``+0.0`` is padding, as ``compress`` reads
+it); the stored-mask packing stores the mask's positions, zeros included.
 
 The wrappers check shapes and dtypes; the kernels decide nothing. Which packer runs, and only
 after it was compared with ``torch._cslt_compress`` on the running GPU, is decided by
-:mod:`~lightning_sparse.backends.cusparselt`. Weights holding ``inf`` or ``NaN`` are outside the
-comparison: ``W * mask`` turns a pruned ``inf`` into a ``NaN`` that the torch path then stores.
+:mod:`~lightning_sparse.backends.cusparselt`. The packings equal the torch path's for finite
+weights (``W * mask`` turns a pruned ``inf`` into a ``NaN`` that the torch path stores); the
+mask equals it for any.
 
 Example (under ``TRITON_INTERPRET=1`` this runs on CPU tensors):
     >>> import torch
