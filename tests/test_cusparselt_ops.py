@@ -189,6 +189,9 @@ def test_a_packer_that_differs_warns_and_the_table_names_the_packer(monkeypatch)
     )
     with pytest.warns(RuntimeWarning, match="packed by torch._cslt_compress"):
         assert not cusparselt.packer_matches(torch.bfloat16, torch.device("cpu"))
+    assert cusparselt.packer(torch.bfloat16, torch.device("cpu")).note() == (
+        "packed by torch._cslt_compress (lightning_sparse's packers write other bytes here)"
+    )
     cuda = torch.device("cuda", 0)
     cusparselt._PACKERS[torch.bfloat16, cuda] = cusparselt.Packer("torch", "no Triton")
     note = cusparselt.packer_note(torch.bfloat16, cuda)

@@ -115,10 +115,12 @@ def test_mask_and_pack_is_the_greedy_mask_and_the_torch_packers_bytes(shape, dty
 
 
 @interpreted
-def test_nan_ranks_above_everything_as_in_the_reference():
+def test_nans_rank_equal_and_above_everything_as_in_the_reference():
     w = weights((128, 128), torch.bfloat16, seed=5)["ties"]
-    w[3, :6] = float("nan")
-    w[:5, 9] = float("nan")
+    words = w.view(torch.int16)  # NaNs of either sign and several payloads
+    words[3, :6] = torch.tensor([0x7FC0, 0x7F81, -1, 0x7FFF, -0x40, 0x7F90])
+    words[:5, 9] = torch.tensor([0x7F90, 0x7FC0, -0x7F, 0x7F81, -1])
+    assert w.isnan().sum() == 11
     keep = torch.zeros(w.shape, dtype=torch.bool)
     triton_sparse24.mask_and_pack(w, keep)
     assert torch.equal(keep, transposable_2to4_mask(w))
@@ -465,7 +467,7 @@ def packs_seen(monkeypatch) -> list[torch.Tensor]:
 @interpreted
 @pytest.mark.parametrize("stored", [False, True], ids=["runtime", "stored mask"])
 def test_the_layers_pack_what_the_torch_path_packs_and_compute_the_same(
-    emulated, monkeypatch, stored
+    launches, monkeypatch, stored
 ):
     """The same bytes into every matmul as with the torch-ops packer, so the same outputs and
     gradients, bit for bit (here the matmul is dense math on the bytes it is given)."""
@@ -473,7 +475,7 @@ def test_the_layers_pack_what_the_torch_path_packs_and_compute_the_same(
     seen = packs_seen(monkeypatch)
     runs = {}
     for fused in (True, False):
-        del seen[:]
+        del seen[:], launches[:]
         runtime, stored_layer, mask = stored_and_runtime_layers()
         layer = stored_layer if stored else runtime
         x = torch.randn(20, 256, dtype=torch.bfloat16, requires_grad=True)
@@ -481,6 +483,7 @@ def test_the_layers_pack_what_the_torch_path_packs_and_compute_the_same(
             out = layer(x)
             out.backward(torch.ones_like(out))
         runs[fused] = [out, x.grad, layer.weight.grad, *seen]
+        assert len(launches) == (2 if stored else 1) * fused  # the torch path: none
     assert cusparselt.packer(torch.bfloat16, CPU).name == "triton"
     for a, b in zip(*runs.values(), strict=True):
         assert same_bits(a, b)
