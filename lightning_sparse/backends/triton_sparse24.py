@@ -66,13 +66,11 @@ from lightning_sparse.masks.tiles import SORTING_NETWORK_16
 
 BLOCK = 128
 """Rows and columns of ``W`` per program by default (the packer's shape multiple, so every weight
-it takes; 64 works too): not yet tuned on a GPU."""
-WARPS = 16
-"""Warps per program by default (for ``BLOCK``: about 100 registers a thread for sm90, no
-spills, as compiled by ptxas without a GPU): not yet tuned on a GPU."""
-BLOCKS = (64, 128)
-"""The block sizes the kernels take: multiples of the metadata's 64-row regions that divide
-every weight the packer takes."""
+it takes): not yet tuned on a GPU."""
+WARPS = {64: 8, 128: 16}
+"""The block sizes the kernels take (whole metadata regions that divide every weight the packer
+takes) and the warps of a program for each: about 80 and 110 registers a thread for sm90 as
+Triton 3.8 compiles them, no spills (compiled without a GPU); not yet tuned on a GPU."""
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 """Whether this process runs the kernels in Triton's interpreter (``TRITON_INTERPRET=1`` when
 this module was imported): then they take CPU tensors, slowly."""
@@ -104,33 +102,17 @@ def mask_and_pack(
     rows: bool = True,
     columns: bool = True,
     block: int = BLOCK,
-    warps: int = WARPS,
+    warps: int | None = None,
 ) -> Packed:
     """``(compress(W24), compress(W24.T))`` for ``W24 = weight * transposable_2to4_mask(weight)``,
     in one read of ``weight`` (``rows``/``columns``: write ``W24``'s, ``W24.T``'s); with
     ``keep`` (a bool tensor shaped like ``weight``), the mask is written there too. ``block``
-    (64 or 128) and ``warps``: each program's share of the weight and its threads."""
+    (64 or 128) and ``warps`` (``None``: ``WARPS[block]``): each program's share of the weight
+    and its threads."""
     _check(weight, "weight", block)
     if keep is not None:
         _check_mask(keep, weight, "keep")
-    packed, packed_t = _outputs(weight, rows, columns)
-    n, k = weight.shape
-    _sparsify_kernel[(n // block, k // block)](
-        weight.view(torch.int16),
-        _words(packed, weight),
-        _words(packed_t, weight),
-        weight if keep is None else keep.view(torch.uint8),  # unused without keep
-        n,
-        k,
-        NAN_BITS=_nan_bits(weight.dtype),
-        STORE_MASK=keep is not None,
-        ROWS=rows,
-        COLUMNS=columns,
-        BLOCK_ROWS=block,
-        BLOCK_COLS=block,
-        num_warps=warps,
-    )
-    return packed, packed_t
+    return _launch(weight, keep, rows, columns, block, warps, choose=True)
 
 
 def pack(
@@ -140,7 +122,7 @@ def pack(
     rows: bool = True,
     columns: bool = True,
     block: int = BLOCK,
-    warps: int = WARPS,
+    warps: int | None = None,
 ) -> Packed:
     """``(packing(mask).compress(weight), packing(mask.T).compress(weight.T))`` for a bool
     ``mask`` with at most 2 kept in each group of 4 of its rows and of its columns (a
@@ -148,20 +130,37 @@ def pack(
     ``columns``, ``block`` and ``warps`` as for :func:`mask_and_pack`."""
     _check(weight, "weight", block)
     _check_mask(mask, weight, "mask")
+    return _launch(weight, mask, rows, columns, block, warps, choose=False)
+
+
+def _launch(
+    weight: Tensor,
+    mask: Tensor | None,
+    rows: bool,
+    columns: bool,
+    block: int,
+    warps: int | None,
+    choose: bool,
+) -> Packed:
+    """Run the kernel over ``weight``: its mask chosen (``choose``; written into ``mask`` where
+    given) or read from ``mask``; returns the packings asked for."""
     packed, packed_t = _outputs(weight, rows, columns)
     n, k = weight.shape
     _pack_kernel[(n // block, k // block)](
         weight.view(torch.int16),
-        mask.view(torch.uint8),
+        weight if mask is None else mask.view(torch.uint8),  # unused without a mask
         _words(packed, weight),
         _words(packed_t, weight),
         n,
         k,
+        CHOOSE=choose,
+        STORE_MASK=choose and mask is not None,
+        NAN_BITS=_nan_bits(weight.dtype),
         ROWS=rows,
         COLUMNS=columns,
         BLOCK_ROWS=block,
         BLOCK_COLS=block,
-        num_warps=warps,
+        num_warps=WARPS[block] if warps is None else warps,
     )
     return packed, packed_t
 
@@ -179,8 +178,8 @@ def _words(packed: Tensor | None, weight: Tensor) -> Tensor:
 
 
 def _check(weight: Tensor, name: str, block: int) -> None:
-    if block not in BLOCKS:
-        raise ValueError(f"block={block!r}; use one of {BLOCKS}")
+    if block not in WARPS:
+        raise ValueError(f"block={block!r}; use one of {tuple(WARPS)}")
     if not supports(weight.shape, weight.dtype):
         raise ValueError(
             f"{name} of shape {tuple(weight.shape)} and dtype {weight.dtype}: the Triton kernels "
@@ -334,43 +333,6 @@ def _pack_block(
 
 
 @triton.jit
-def _sparsify_kernel(
-    w_ptr,
-    out_ptr,
-    out_t_ptr,
-    mask_ptr,
-    n,
-    k,
-    NAN_BITS: tl.constexpr,
-    STORE_MASK: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-):
-    row0, col0, offsets = _block(n, k, BLOCK_ROWS, BLOCK_COLS)
-    keep = _greedy_mask(w_ptr, row0, col0, k, NAN_BITS, BLOCK_ROWS, BLOCK_COLS)
-    bits = tl.load(w_ptr + offsets)
-    if STORE_MASK:
-        tl.store(mask_ptr + offsets, keep.to(tl.int8))
-    stored = keep & ((bits & 0x7FFF) != 0)  # the non-zeros of W * mask
-    _pack_both(
-        bits,
-        stored,
-        out_ptr,
-        out_t_ptr,
-        row0,
-        col0,
-        n,
-        k,
-        ROWS,
-        COLUMNS,
-        BLOCK_ROWS,
-        BLOCK_COLS,
-    )
-
-
-@triton.jit
 def _pack_kernel(
     w_ptr,
     mask_ptr,
@@ -378,57 +340,27 @@ def _pack_kernel(
     out_t_ptr,
     n,
     k,
+    CHOOSE: tl.constexpr,
+    STORE_MASK: tl.constexpr,
+    NAN_BITS: tl.constexpr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
+    """One block: its mask chosen (``CHOOSE``; written to ``mask_ptr`` with ``STORE_MASK``) or
+    read from ``mask_ptr``, and its share of packed ``W`` (``ROWS``) and ``W.T`` (``COLUMNS``)."""
     row0, col0, offsets = _block(n, k, BLOCK_ROWS, BLOCK_COLS)
     bits = tl.load(w_ptr + offsets)
-    keep = tl.load(mask_ptr + offsets) != 0
-    _pack_both(
-        bits,
-        keep,
-        out_ptr,
-        out_t_ptr,
-        row0,
-        col0,
-        n,
-        k,
-        ROWS,
-        COLUMNS,
-        BLOCK_ROWS,
-        BLOCK_COLS,
-    )
-
-
-@triton.jit
-def _pack_both(
-    bits,
-    keep,
-    out_ptr,
-    out_t_ptr,
-    row0,
-    col0,
-    n,
-    k,
-    ROWS: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-):
-    """The block's share of packed ``W`` (``ROWS``) and of packed ``W.T`` (``COLUMNS``)."""
+    if CHOOSE:
+        keep = _greedy_mask(w_ptr, row0, col0, k, NAN_BITS, BLOCK_ROWS, BLOCK_COLS)
+        if STORE_MASK:
+            tl.store(mask_ptr + offsets, keep.to(tl.int8))
+        keep = keep & ((bits & 0x7FFF) != 0)  # the non-zeros of W * mask
+    else:
+        keep = tl.load(mask_ptr + offsets) != 0
     if ROWS:
         _pack_block(bits, keep, out_ptr, row0, col0, n, k, BLOCK_ROWS, BLOCK_COLS)
     if COLUMNS:
-        _pack_block(
-            tl.trans(bits),
-            tl.trans(keep),
-            out_t_ptr,
-            col0,
-            row0,
-            k,
-            n,
-            BLOCK_COLS,
-            BLOCK_ROWS,
-        )
+        keep_t, bits_t = tl.trans(keep), tl.trans(bits)
+        _pack_block(bits_t, keep_t, out_t_ptr, col0, row0, k, n, BLOCK_COLS, BLOCK_ROWS)
