@@ -45,7 +45,8 @@ def test_the_ops_pass_opcheck(dense_stand_in):
     torch.library.opcheck(cusparselt.linear_24_projected, args)
     packed_t = cusparselt_packer.compress(w24.detach().t().contiguous().bfloat16())
     grad = torch.randn(12, 128, dtype=torch.bfloat16)
-    torch.library.opcheck(cusparselt.linear_24_packed_input_grad, (grad, packed_t, 256))
+    args = (grad, packed_t, half[1].detach())  # not differentiable again
+    torch.library.opcheck(cusparselt.linear_24_packed_input_grad, args)
     torch.library.opcheck(cusparselt.linear_24, (x, w24, bias))
     torch.library.opcheck(cusparselt.linear_24, (x, w24, None))
     torch.library.opcheck(cusparselt.linear_24_input_grad, (torch.randn(12, 128), w24))
@@ -64,6 +65,16 @@ def test_the_ops_compute_the_2to4_linear_with_straight_through_gradients(
     out.backward(grad)
     torch.testing.assert_close(x.grad, grad @ w24)
     torch.testing.assert_close(weight.grad, grad.T @ x.detach())  # dense
+
+
+def test_a_second_order_gradient_through_the_runtime_op_names_the_fix(dense_stand_in):
+    torch.manual_seed(0)
+    x = torch.randn(8, 256, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    out = cusparselt.cusparselt_linear(x, weight, None, None)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order.*backend='masked'"):
+        grad_x.sum().backward()
 
 
 def test_every_sparse_matmul_uses_the_searched_algorithm(monkeypatch):

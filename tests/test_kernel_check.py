@@ -224,7 +224,7 @@ def test_no_op_packs_or_searches_before_the_kernel_check_passed(inject, monkeypa
     packed_t = torch.zeros(256, 72, dtype=torch.bfloat16)
     calls = [
         lambda: cusparselt.linear_24_projected(x, weight, None, True),
-        lambda: cusparselt.linear_24_packed_input_grad(grad, packed_t, 256),
+        lambda: cusparselt.linear_24_packed_input_grad(grad, packed_t, weight),
         lambda: cusparselt.linear_24(x, w24, None),
         lambda: cusparselt.linear_24_input_grad(grad, w24),
         lambda: cusparselt.linear_24_stored(x, weight, None, *stored),

@@ -371,29 +371,43 @@ def _(x, weight, bias, transposed):  # type: ignore[no-untyped-def]
     "lightning_sparse::linear_24_packed_input_grad", mutates_args=()
 )
 def linear_24_packed_input_grad(
-    grad: Tensor, packed_t: Tensor, in_features: int
+    grad: Tensor, packed_t: Tensor, weight: Tensor
 ) -> Tensor:
     """``grad @ W24`` on cuSPARSELt from ``W24.T`` packed: the input gradient of
-    ``linear_24_projected`` (not differentiable again)."""
+    ``linear_24_projected`` (``weight``: its dense weight, for the shape; not differentiable
+    again)."""
     require_kernel(KERNEL, packed_t.dtype, packed_t.device)
-    return _sparse_mm(packed_t, in_features, grad, None)
+    return _sparse_mm(packed_t, weight.shape[1], grad, None)
 
 
 @linear_24_packed_input_grad.register_fake
-def _(grad: Tensor, packed_t: Tensor, in_features: int) -> Tensor:
-    return grad.new_empty((grad.shape[0], in_features))
+def _(grad: Tensor, packed_t: Tensor, weight: Tensor) -> Tensor:
+    return grad.new_empty((grad.shape[0], weight.shape[1]))
+
+
+def _no_second_order(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    raise RuntimeError(
+        "a second-order gradient through a runtime 2:4 layer on cuSPARSELt: its backward "
+        "keeps only W24.T packed, which cannot be differentiated again; run that layer with "
+        "backend='masked' (the same function, in dense math)"
+    )
+
+
+linear_24_packed_input_grad.register_autograd(_no_second_order)
 
 
 def _setup_projected(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
     x, weight, bias, _ = inputs
     packed_t = output[1]
     ctx.mark_non_differentiable(packed_t)
-    ctx.save_for_backward(x, packed_t)  # 9/16 of the weight: less than a pruned copy
-    ctx.in_features, ctx.has_bias = weight.shape[1], bias is not None
+    # W24.T packed, 9/16 of the weight (less than a pruned copy); the weight itself (FSDP2's
+    # own parameter under FSDP2) only for its shape
+    ctx.save_for_backward(x, packed_t, weight)
+    ctx.has_bias = bias is not None
 
 
 def _backward_projected(ctx, grad: Tensor, _: Tensor) -> tuple:  # type: ignore[no-untyped-def]
-    x, packed_t = ctx.saved_tensors
+    x, packed_t, weight = ctx.saved_tensors
     grad = grad.contiguous()
     needs = ctx.needs_input_grad
     if needs[0] and packed_t.numel() == 0:
@@ -401,11 +415,7 @@ def _backward_projected(ctx, grad: Tensor, _: Tensor) -> tuple:  # type: ignore[
             "linear_24_projected(x, ..., transposed=False) kept no packed W24.T for the "
             "input gradient; pass transposed=True where x needs a gradient"
         )
-    grad_x = (
-        linear_24_packed_input_grad(grad, packed_t, ctx.in_features)
-        if needs[0]
-        else None
-    )
+    grad_x = linear_24_packed_input_grad(grad, packed_t, weight) if needs[0] else None
     grad_w = grad.t() @ x if needs[1] else None  # straight-through
     grad_b = grad.sum(0) if ctx.has_bias and needs[2] else None
     return grad_x, grad_w, grad_b, None
