@@ -12,22 +12,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-# Imported first in every subprocess (via PYTHONPATH): the wheels a bare GPU machine lacks are
-# found (so torch's find_spec probes see a spec without a file) but fail to import.
-BLOCKER = """
-import sys
-from importlib.machinery import ModuleSpec
-
-class Bare:
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("jsonargparse", "hypothesis"):
-            return ModuleSpec(name, self)
-
-    def create_module(self, spec):
-        raise ModuleNotFoundError(f"{spec.name} is blocked: a bare GPU machine lacks it")
-
-sys.meta_path.insert(0, Bare())
-"""
+# First on every subprocess's path: the packages a bare GPU machine lacks are missing there
+BARE = Path(__file__).resolve().parent / "bare_gpu_machine"
 STAGES = {
     "correctness": [
         "environment",
@@ -49,10 +35,7 @@ STAGES = {
 @pytest.fixture
 def acceptance(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    blocked = tmp_path / "blocked"
-    blocked.mkdir()
-    (blocked / "sitecustomize.py").write_text(BLOCKER)
-    monkeypatch.setenv("PYTHONPATH", str(blocked))
+    monkeypatch.setenv("PYTHONPATH", str(BARE))
     monkeypatch.setenv(
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"
     )  # no hypothesis plugin there
