@@ -190,6 +190,28 @@ def test_a_packer_that_differs_warns_and_the_table_names_the_packer(monkeypatch)
 CPU = torch.device("cpu")
 
 
+def test_the_packer_comparison_runs_once_per_gpu_however_the_device_is_written(
+    monkeypatch,
+):
+    compared = []
+    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(
+        cusparselt, "_compare_packers", lambda *key: compared.append(key) or True
+    )
+    monkeypatch.setattr(cusparselt, "capturing", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for device in ("cuda", "cuda:1", "cuda", "cuda:0"):
+        assert cusparselt.packer_matches(torch.bfloat16, torch.device(device))
+    cuda = torch.device("cuda", 1)
+    assert compared == [
+        (torch.bfloat16, cuda),
+        (torch.bfloat16, torch.device("cuda", 0)),
+    ]
+    assert cusparselt.packer_note(torch.bfloat16, torch.device("cuda")) == (
+        "packed by lightning_sparse"
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_compressor_that_writes_negative_zeros_into_padding_leaves_our_packer_on(
     monkeypatch, dtype

@@ -115,7 +115,7 @@ def register_kernel(
 def check_kernel(name: str, dtype: torch.dtype, device: torch.device) -> KernelVerdict:
     """Run kernel ``name`` once on ``device`` in ``dtype`` and compare it with dense math
     (cached: later calls return the first verdict). A failure warns once."""
-    key = (name, dtype, _normalized(device))
+    key = (name, dtype, normalized_device(device))
     if key not in _VERDICTS:
         _RUNNING.add(key)
         try:
@@ -136,7 +136,7 @@ def check_kernel(name: str, dtype: torch.dtype, device: torch.device) -> KernelV
 def require_kernel(name: str, dtype: torch.dtype, device: torch.device) -> None:
     """Raise :class:`KernelCheckError` unless kernel ``name`` passed the check on ``device``
     in ``dtype`` (running it first if needed). Called by the code that runs the kernel."""
-    key = (name, dtype, _normalized(device))
+    key = (name, dtype, normalized_device(device))
     if key in _RUNNING:  # the check itself is running the kernel
         return
     verdict = _VERDICTS.get(key)
@@ -179,7 +179,9 @@ def plain_autograd(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _normalized(device: torch.device) -> torch.device:
+def normalized_device(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` is ``cuda:N`` of the current device), so that
+    caches keyed on a device hold one entry per GPU, however the device was written."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
