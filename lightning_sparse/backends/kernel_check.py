@@ -240,7 +240,7 @@ def _run_check(
                 name,
                 False,
                 None,
-                f"{where} raised {type(err).__name__} in the kernel check ({_first_line(err)})",
+                f"{where} raised {type(err).__name__} in the kernel check ({first_line(err)})",
             )
     error = max(
         relative_error(g.detach().cpu(), r)
@@ -272,13 +272,14 @@ def _interrupted(err: Exception, where: str) -> Exception:
         else "a CUDA error leaves the process unusable: restart it"
     )
     return type(err)(
-        f"{type(err).__name__} in the kernel check of {where} ({_first_line(err)}): this "
+        f"{type(err).__name__} in the kernel check of {where} ({first_line(err)}): this "
         f"says nothing about the kernel, so no verdict is kept; {fix}"
     )
 
 
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of ``err``'s message, at most ``limit`` characters, for one-line reasons."""
+    return (str(err).strip().splitlines() or [""])[0][:limit]
 
 
 def _outputs(
