@@ -264,7 +264,7 @@ def test_masks_set_through_the_sparsifier_reach_compiled_and_eager_forwards(
 
 
 def test_a_mask_changed_in_place_is_refused_at_the_next_step(monkeypatch):
-    layer, sp = sparsified_layer(monkeypatch)
+    _, sp = sparsified_layer(monkeypatch)
     sp.on_step_start(1, [])  # nothing changed
     sp.masks["0.weight"].copy_(tile_mask(128, 256, seed=5))
     with pytest.raises(RuntimeError, match=r"changed in place.*Sparsifier\.set_masks"):
@@ -281,7 +281,7 @@ def test_a_mask_changed_in_place_is_refused_at_the_next_step(monkeypatch):
     ids=["pattern", "dtype", "shape"],
 )
 def test_set_masks_refuses_a_mask_the_phase_cannot_run(monkeypatch, mask, problem):
-    layer, sp = sparsified_layer(monkeypatch)
+    _, sp = sparsified_layer(monkeypatch)
     before = sp.masks["0.weight"].clone()
     with pytest.raises(
         ValueError, match="set_masks: the mask for '0.weight' is"
