@@ -21,6 +21,7 @@ STAGES = {
         "gpu tests",
         "verify_speed",
         "training",
+        "gpu compile tests",
     ],
     "speed": [
         "environment",
@@ -67,8 +68,17 @@ def test_the_correctness_part_checks_kernels_runs_gpu_tests_and_trains(
     assert "the kernel run against the masked run: first step 0.00% apart" in report
     assert "model.blocks.1.mlp.fc2.weight" in report
     assert (
-        "| slowest layer verify_speed keeps on a 2:4 kernel | at least 1 x |" in report
+        "| slowest layer verify_speed keeps on a 2:4 kernel, timed again in the training "
+        "steps | at least 1 x | none kept sparse | PASS |" in report
     )
+    # every GPU test by name, in the stage that runs it (collected only, here)
+    gpu_tests, compile_tests = report.split("## 3. gpu tests")[1].split("## 6.")
+    row = "| `tests/test_semi_structured_gpu.py::test_compiled_training_on_the_gpu` |"
+    assert f"{row} not run |" in compile_tests and row not in gpu_tests
+    row = "| `tests/test_semi_structured_gpu.py::test_resume_on_the_gpu` | not run |"
+    assert row in gpu_tests
+    # what verify_speed would decide in the training run, and the layers timed in its steps
+    assert "| model.blocks.0.mlp.fc1.weight | 256x64 | 34 |" in report
     assert "LLM block stack" not in report.split("## 1.")[0]  # the speed part's targets
 
 
@@ -138,7 +148,8 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         {"table": "layers", "tokens": 16384, "in_features": 4096, "out_features": 11008,
          "kernel": "cusparselt", "algorithm": "searched", "mode": "compiled",
          "stored": False, "ratio": 1.1},
-        {"table": "verify_speed", "kept_sparse": False, "ratio": 0.5},
+        {"table": "verify_speed", "kept_sparse": True, "ratio": 1.5},  # the decision's own
+        {"table": "kept layers", "kept_sparse": False, "on_kernel": True, "ratio": 0.5},
     ]  # fmt: skip
     stages = [acceptance.Stage("s", records=records)]
     verdicts = {
@@ -155,10 +166,15 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         "FAIL",
     ]
     assert verdicts["LLM block stack training step, compiled"] == ["-", "not run"]
-    assert verdicts["slowest layer verify_speed keeps on a 2:4 kernel"] == [
-        "none kept sparse",
-        "PASS",
+    slowest = "slowest layer verify_speed keeps on a 2:4 kernel, timed again in the training steps"
+    assert verdicts[slowest] == ["none kept sparse", "PASS"]
+    records.append(
+        {"table": "kept layers", "kept_sparse": True, "on_kernel": True, "ratio": 0.9}
+    )
+    (row,) = [
+        r for r in acceptance.target_rows(stages, "correctness") if r[0] == slowest
     ]
+    assert row[2:] == ["0.9 x", "FAIL"]
 
 
 def test_benchmark_stages_are_picked_by_flag(monkeypatch, tmp_path, capsys):
@@ -173,3 +189,36 @@ def test_benchmark_stages_are_picked_by_flag(monkeypatch, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| tiny ViT-B, batch 2 | eager | 2:4 MLPs |" in printed
     assert "compiled" not in printed.split("| model |")[1]
+
+
+def test_the_training_stage_runs_its_kernel_leg_on_the_kernels_and_reports_the_decision(
+    acceptance, monkeypatch
+):
+    """On a GPU where eager 2:4 is 0.12x dense at these shapes (a pretend one, the emulation
+    standing in for the kernels) verify_speed would keep every layer on masked math: the
+    kernel leg runs the kernels all the same, and the report says what verify_speed would
+    decide, and how each layer timed inside the steps."""
+    from helpers import pretend_gpu, slow_kernels
+
+    stages = importlib.import_module("acceptance_stages")
+    # MLP weights of 512x128 and 128x512, which the kernel rules take
+    monkeypatch.setattr(stages, "TINY_VIT", {**stages.TINY_VIT, "embed_dim": 128})
+    pretend_gpu(monkeypatch, (9, 0))
+    slow_kernels(monkeypatch)
+    args = acceptance.parse(["--part", "correctness", "--cpu-smoke"])
+    stage = stages.training(args, deadline=float("inf"))
+    assert "4/4 MLP weights on 2:4 kernels" in stage.summary
+    assert "verify_speed would keep 0/4 MLP weights" in stage.summary
+    assert (
+        "| model.blocks.1.mlp.fc2.weight | 128x512 | 34 | 0.12x | masked ("
+        in stage.body
+    )
+    assert (
+        "sparse 0.12x dense (eager, 34 tokens), so kept dense (verify_speed)"
+        in stage.body
+    )
+    timed = [r for r in stage.records if r["table"] == "kept layers"]
+    assert len(timed) == 4 and all(
+        r["on_kernel"] and not r["kept_sparse"] for r in timed
+    )
+    assert all(r["ratio"] > 0 for r in timed)

@@ -130,6 +130,7 @@ def test_resume_on_the_gpu(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-3)
 
 
+@pytest.mark.compiles
 def test_compiled_training_on_the_gpu(tmp_path):
     eager, _, _ = kernel_fit(tmp_path)
     compiled, _, probe = kernel_fit(tmp_path, compile=True)
@@ -138,6 +139,7 @@ def test_compiled_training_on_the_gpu(tmp_path):
         torch.testing.assert_close(p, q, **DRIFT)
 
 
+@pytest.mark.compiles
 def test_compiled_layer_after_a_swap_back_is_dense():
     layer = nn.Linear(256, 256).cuda().bfloat16()
     install_semi_structured_forward(layer, kernels()[0])
@@ -244,6 +246,7 @@ def test_masked_runtime_on_cuda_projects_in_the_matmul_dtype():
     assert seen == [(torch.bfloat16, True)]
 
 
+@pytest.mark.compiles
 def test_compiled_masked_runtime_is_one_cuda_graph_that_computes_as_eager():
     """The runtime 2:4 projection traced into the graph (the tile kernel as one custom op):
     ``reduce-overhead`` captures both layers without a break (``fullgraph``), projects the
