@@ -222,3 +222,33 @@ def test_the_training_stage_runs_its_kernel_leg_on_the_kernels_and_reports_the_d
         r["on_kernel"] and not r["kept_sparse"] for r in timed
     )
     assert all(r["ratio"] > 0 for r in timed)
+
+
+def test_the_test_log_says_which_tests_passed_failed_or_never_ran(
+    tmp_path, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    plugin = importlib.import_module("pytest_outcomes")
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv(plugin.LOG, str(log))
+    session = type("Session", (), {"items": []})()
+    session.items = [type("Item", (), {"nodeid": f"t.py::{n}"})() for n in "abcd"]
+    plugin.pytest_collection_finish(session)
+
+    def report(name, when, outcome):
+        fields = {"nodeid": f"t.py::{name}", "when": when, "outcome": outcome}
+        fields.update(passed=outcome == "passed", skipped=outcome == "skipped")
+        plugin.pytest_runtest_logreport(type("Report", (), fields)())
+
+    report("a", "setup", "passed")
+    report("a", "call", "passed")
+    report("b", "setup", "skipped")  # skipped before its call
+    report("c", "call", "passed")
+    report("c", "teardown", "failed")  # an error after a passed call: an error
+    # d: the run was killed before it
+    assert plugin.outcomes(str(log)) == {
+        "t.py::a": "passed",
+        "t.py::b": "skipped",
+        "t.py::c": "error",
+        "t.py::d": "not run",
+    }
