@@ -355,8 +355,8 @@ def agree_across_ranks(choices: dict[tuple[int, str], BackendChoice]) -> None:
     """In a distributed run, keep a layer on its 2:4 kernel only where every rank chose it:
     ``verify_speed``'s timings differ a little from rank to rank, each rank's kernel check
     ran on its own GPU, and one rank finding a shape slower (or its kernel wrong) must not
-    leave the ranks running different kernels. Called with ``verify_speed``, and for
-    FSDP2-sharded parameters. A collective: in a distributed run every rank must call it,
+    leave the ranks running different kernels. Called in every distributed run whose backend
+    may run a kernel. A collective: in a distributed run every rank must call it,
     with the same keys (the callback builds the same engine on every rank at fit start)."""
     if world_size() == 1:
         return
