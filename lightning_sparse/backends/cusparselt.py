@@ -58,6 +58,7 @@ from lightning_sparse.backends.cusparselt_packer import (
 from lightning_sparse.backends.kernel_check import (
     capturing,
     known_values,
+    normalized_device,
     require_kernel,
     versions,
 )
@@ -98,11 +99,11 @@ _PACKER_MATCHES: dict[tuple[torch.dtype, torch.device], bool] = {}
 def packer_matches(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether our packer writes the bytes of ``torch._cslt_compress`` on ``device`` in
     ``dtype`` (compared once; while a CUDA graph is captured, unknown counts as no)."""
-    key = (dtype, device)
+    key = (dtype, normalized_device(device))
     if key not in _PACKER_MATCHES:
         if capturing(device):
             return False
-        _PACKER_MATCHES[key] = _compare_packers(dtype, device)
+        _PACKER_MATCHES[key] = _compare_packers(*key)
     return _PACKER_MATCHES[key]
 
 
