@@ -92,19 +92,27 @@ def main(args: Sequence[str] | None = None) -> None:
     if argv[0] == "--version":
         print(f"lightning-sparse {__version__}")
         return
-    load, cores = _load_and_cores()
-    policy = wait_policy(load, os.environ)
-    if policy is not None:
-        os.environ["OMP_WAIT_POLICY"] = policy
-        print(
-            f"lightning-sparse: the load average ({load:.1f} on {cores} cores) says other "
-            f"processes keep cores busy, so OpenMP threads will sleep instead of spinning "
-            f"while they wait (OMP_WAIT_POLICY={policy}: same thread count, same results); "
-            f"set OMP_WAIT_POLICY=ACTIVE to keep them spinning",
-            file=sys.stderr,
-        )
+    choose_wait_policy()
     # the subcommands import torch and Lightning: only now, after the answers above
     importlib.import_module("lightning_sparse.cli.main").main(args)
+
+
+def choose_wait_policy() -> None:
+    """Set this process's ``OMP_WAIT_POLICY`` to what :func:`wait_policy` says for this
+    machine now, and say so on stderr; to be called before torch loads, which is when its
+    OpenMP threads read it."""
+    load, cores = _load_and_cores()
+    policy = wait_policy(load, os.environ)
+    if policy is None:
+        return
+    os.environ["OMP_WAIT_POLICY"] = policy
+    print(
+        f"lightning-sparse: the load average ({load:.1f} on {cores} cores) says other "
+        f"processes keep cores busy, so OpenMP threads will sleep instead of spinning "
+        f"while they wait (OMP_WAIT_POLICY={policy}: same thread count, same results); "
+        f"set OMP_WAIT_POLICY=ACTIVE to keep them spinning",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ class Sparsifier:
         }
         #: per learned phase that ended (or was saved), each layer's statistics then
         self.learned_reports: LearnedReports = {}
-        self._learned_step = -1  # the last optimizer step the logits took
+        self._learned_step = -1  # the step whose forwards the logits last learned from
 
     @property
     def backends(self) -> dict[tuple[int, str], BackendChoice]:
@@ -560,15 +560,16 @@ class Sparsifier:
     ) -> None:
         """A learned phase's work before ``optimizer`` steps: with ``train_weights: false``
         the selected weights it updates lose their gradients (so it leaves them, and their
-        state, as they are); once per optimizer step, the logits' gradients are averaged over
-        the ranks and the logits take their step (skipped, and logged, if a gradient is not
-        finite, as a GradScaler skips the run's step)."""
+        state, as they are); once per training step (the first optimizer step of its forwards,
+        however many optimizers follow), the logits' gradients are averaged over the ranks
+        and the logits take their step (skipped, and logged, if a gradient is not finite, as
+        a GradScaler skips the run's step)."""
         if algo.train_weights is False:
             for t in owned_by(self.targets, optimizer):
                 t.param.grad = None
-        if step == self._learned_step:
+        if algo.step == self._learned_step:
             return
-        self._learned_step = step
+        self._learned_step = algo.step
         params = list(algo.parameters())
         average_over_ranks(params)
         if not all_finite([p.grad for p in params if p.grad is not None]):
