@@ -14,7 +14,11 @@ import difflib
 from collections.abc import Iterable
 
 
-def closest(word: str, names: Iterable[str], count: int = 1, cutoff: float = 0.6) -> list[str]:
+def closest(
+    word: str, names: Iterable[str], count: int = 1, cutoff: float = 0.6
+) -> list[str]:
     """Up to ``count`` of ``names`` most like ``word``, best first (``difflib``'s similarity,
     at least ``cutoff``: 0 lists the nearest whatever they are); ``[]`` when none is close."""
-    return difflib.get_close_matches(word, list(dict.fromkeys(names)), n=count, cutoff=cutoff)
+    return difflib.get_close_matches(
+        word, list(dict.fromkeys(names)), n=count, cutoff=cutoff
+    )
