@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import lightning_sparse
+from lightning_sparse import openmp
 from lightning_sparse.cli import entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_a_busy_machine_gets_sleeping_openmp_threads_and_is_told(capsys, monkeyp
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # restored after the test
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(entry, "_load_and_cores", lambda: (3.2, 2))
+    monkeypatch.setattr(openmp, "load_and_cores", lambda: (3.2, 2))
     entry.main(["plan", f"--config={VIT_DEMO}", "--plot=false"])
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     err = capsys.readouterr().err
