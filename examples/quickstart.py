@@ -4,8 +4,9 @@ the optimizer steps, then dense, on the CPU, written as plain Lightning code.
 The same as ``lightning-sparse fit --config recipes/vit/cpu_demo.yaml`` with a shorter run
 (10 epochs instead of 30). Like that command, it first lets OpenMP threads sleep instead of
 spinning when other processes keep the machine busy (same results; see docs/cli.md, "Shared
-machines and CI"): that has to happen before torch is imported. Its run time, measured on an
-idle and a busy machine, is in docs/benchmarks.md ("The quickstart").
+machines and CI"): that has to happen before torch is imported. Its run time on a busy
+machine, with and without that choice, is in docs/benchmarks.md ("The quickstart on a shared
+machine").
 
     python examples/quickstart.py
 """
