@@ -376,7 +376,9 @@ class Phase:
         known = {f.name for f in fields(cls)}
         unknown = sorted(map(str, set(value) - known))
         if unknown:
-            meant = [f"{m[0]!r} for {key!r}" for key in unknown if (m := closest(key, known))]
+            meant = [
+                f"{m[0]!r} for {key!r}" for key in unknown if (m := closest(key, known))
+            ]
             hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
             raise ValueError(
                 f"{where}: unknown key(s) {unknown}{hint}; a phase accepts {sorted(known)} "
