@@ -122,6 +122,13 @@ def test_an_unknown_option_names_the_closest_one_with_the_value_given(tmp_path, 
     plans([config(tmp_path), "--trainer.max_steps=3"], capsys)
 
 
+def test_a_stray_word_is_named(tmp_path):
+    assert error(["plan", config(tmp_path), "stray"]) == (
+        "lightning-sparse: unrecognized arguments: stray (lightning-sparse plan --help lists "
+        "the options)"
+    )
+
+
 @pytest.mark.parametrize(
     ("typo", "fix"),
     [

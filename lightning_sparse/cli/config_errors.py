@@ -102,6 +102,8 @@ def _unknown_options(tokens: list[str], keys: Sequence[str], help_hint: str) -> 
             else "no option is close to it"
         )
         parts.append(f"unknown option --{name} (given as {token}): {fix}")
+    if not parts:  # words that are no option at all
+        parts.append(f"unrecognized arguments: {' '.join(tokens)}")
     return "; ".join(parts) + f" ({help_hint} lists the options)"
 
 
