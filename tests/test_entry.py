@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import lightning_sparse
+from lightning_sparse import openmp
 from lightning_sparse.cli import entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_a_busy_machine_gets_sleeping_openmp_threads_and_is_told(capsys, monkeyp
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # restored after the test
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(entry, "_load_and_cores", lambda: (3.2, 2))
+    monkeypatch.setattr(openmp, "load_and_cores", lambda: (3.2, 2))
     entry.main(["plan", f"--config={VIT_DEMO}", "--plot=false"])
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     err = capsys.readouterr().err
@@ -94,8 +95,8 @@ def test_a_wait_policy_the_environment_chose_is_left_alone(capsys, monkeypatch, 
         monkeypatch.delenv(name, raising=False)  # restored after the test
     for name, value in chosen.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(entry, "_load_and_cores", lambda: (3.2, 2))
-    entry.choose_wait_policy()
+    monkeypatch.setattr(openmp, "load_and_cores", lambda: (3.2, 2))
+    openmp.choose_wait_policy()
     policies = {
         name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
     }
@@ -105,9 +106,9 @@ def test_a_wait_policy_the_environment_chose_is_left_alone(capsys, monkeypatch, 
 
 TRAIN = """
 import hashlib, os, sys
-from lightning_sparse.cli import entry
-entry._load_and_cores = lambda: ({load}, 2)
-entry.choose_wait_policy()  # as the command does, before torch loads
+from lightning_sparse import openmp
+openmp.load_and_cores = lambda: ({load}, 2)
+openmp.choose_wait_policy()  # as the command does, before torch loads
 loaded = "torch" in sys.modules
 import torch
 torch.manual_seed(0)
