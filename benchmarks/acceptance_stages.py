@@ -1,6 +1,8 @@
 """The GPU acceptance's in-process stages: the kernel check, what ``verify_speed`` decides, and
-a short training comparison (dense, 2:4 masked math, 2:4 kernels). ``gpu_acceptance.py`` runs
-each in a child process of its own on a GPU, so a CUDA error in one cannot poison the next."""
+a short training comparison (dense, 2:4 masked math, 2:4 kernels) that also times each MLP
+layer inside the steps, to check verify_speed's choices independently. ``gpu_acceptance.py``
+runs each in a child process of its own on a GPU, so a CUDA error in one cannot poison the
+next."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from common import TINY_VIT, available_kernels, kernel_check_table, markdown_table
+from lightning.pytorch.callbacks import Callback
 
 MLP_PARAMS = ["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc2.weight"]
 BF16 = torch.bfloat16
@@ -154,7 +157,6 @@ def training(args: argparse.Namespace, deadline: float) -> Stage:
     import lightning as L
     import timm
     import torch.nn.functional as F
-    from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
     from lightning_sparse import SparsityCallback
@@ -232,11 +234,16 @@ def training(args: argparse.Namespace, deadline: float) -> Stage:
         clock = StepClock(stop_at)
         callbacks: list[Callback] = [clock]
         sparsity = None
-        if backend is not None:
+        clock_layers = LayerClock(cuda)
+        callbacks.append(clock_layers)
+        if (
+            backend is not None
+        ):  # the kernels whatever verify_speed would decide: see below
             sparsity = SparsityCallback(
                 phases=[{"sparsity": "2:4", "algorithm": "runtime"}],
                 params=MLP_PARAMS,
                 backend=backend,
+                verify_speed=False,
             )
             callbacks.append(sparsity)
         trainer = L.Trainer(
@@ -259,10 +266,11 @@ def training(args: argparse.Namespace, deadline: float) -> Stage:
                 line for line in lines if line.startswith("SparsityCallback '")
             ),
             "backends": (
-                [c.name for c in sparsity.sparsifier.backends.values()]
+                {name: c.name for (_, name), c in sparsity.sparsifier.backends.items()}
                 if sparsity
-                else []
+                else {}
             ),
+            "layers": clock_layers.result(warm=min(20, len(clock.times) // 5)),
         }
         del trainer, model, callbacks, sparsity
         gc.collect()
@@ -281,7 +289,149 @@ def training(args: argparse.Namespace, deadline: float) -> Stage:
                 return Stage("training", "cut", "no dense step finished in its time")
     finally:
         logging.getLogger("lightning.pytorch").removeHandler(handler)
-    return training_report(args, runs)
+    stage = training_report(args, runs)
+    kept_layers(stage, args, runs, device)
+    return stage
+
+
+class LayerClock(Callback):
+    """Each MLP linear's forward + backward time in every training step, as the step runs it:
+    CUDA events recorded by the layer's hooks on a GPU, the wall clock on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.stamps: dict[str, list[list]] = {}
+        self.shapes: dict[str, tuple[int, int, int]] = {}  # out, in, rows of one matmul
+
+    def stamp(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name, module in pl_module.named_modules():
+            if name.endswith(("mlp.fc1", "mlp.fc2")):
+                self._watch(name + ".weight", module)
+
+    def _watch(self, name: str, module: torch.nn.Module) -> None:
+        steps = self.stamps[name] = []
+
+        def before(mod, inputs):
+            rows = inputs[0].numel() // inputs[0].shape[-1]
+            self.shapes[name] = (*mod.weight.shape, rows)
+            steps.append([self.stamp()])
+
+        def after(*_):
+            steps[-1].append(self.stamp())
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+        module.register_full_backward_pre_hook(after)
+        module.register_full_backward_hook(after)
+
+    def result(self, warm: int) -> dict[str, dict]:
+        """Per layer: its weight's shape, the rows of its matmul and the median ms of its
+        forward + backward per step after ``warm`` steps."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        found = {}
+        for name, steps in self.stamps.items():
+            times = [
+                (self._ms(s[0], s[1]) + self._ms(s[2], s[3]))
+                for s in steps[warm:] or steps
+                if len(s) == 4
+            ]
+            out_features, in_features, rows = self.shapes[name]
+            found[name] = {
+                "weight": f"{out_features}x{in_features}",
+                "rows": rows,
+                "ms": statistics.median(times) if times else math.nan,
+            }
+        return found
+
+    def _ms(self, start: object, end: object) -> float:
+        if self.cuda:
+            return start.elapsed_time(end)  # type: ignore[attr-defined]
+        return (end - start) * 1e3  # type: ignore[operator]
+
+
+def kept_layers(
+    stage: Stage, args: argparse.Namespace, runs: list[dict], device: torch.device
+) -> None:
+    """What ``verify_speed`` would decide for the kernel run's MLP weights (timed at fit start
+    as it times them, at the run's rows per matmul), and, for the layers it would keep on a
+    2:4 kernel, an independent check of that choice: the layer timed again inside the
+    training steps (forward + backward, by its hooks), on the kernel against its dense twin
+    in the dense run. Adds a table and ``kept layers`` records to ``stage``."""
+    from torch import nn
+
+    from lightning_sparse.backends import choose_backend
+    from lightning_sparse.backends.speed import EAGER, SpeedCheck
+    from lightning_sparse.masks import NM
+
+    dense, _, kernels = runs
+    dtype = BF16 if "bf16" in args.precision else None
+    checks: dict[int, SpeedCheck] = {}
+    rows = []
+    for name, timed in kernels["layers"].items():
+        out_features, in_features = map(int, timed["weight"].split("x"))
+        check = checks.setdefault(timed["rows"], SpeedCheck(timed["rows"], EAGER))
+        layer = nn.Linear(in_features, out_features, device=device)
+        choice = choose_backend(
+            "auto", NM(2, 4), layer.weight, [(name, layer, "weight")], dtype, check
+        )
+        if (
+            args.cpu_smoke
+        ):  # no kernel on the CPU: time the emulation, to check the rest
+            check(layer.weight, "emulated", dtype or torch.float32)
+        measured = [m.ratio for m in check.results.values()]
+        in_steps = dense["layers"][name]["ms"] / timed["ms"]
+        kept = choice.name == "semi_structured"
+        on_kernel = kernels["backends"].get(name) == "semi_structured"
+        stage.records.append(
+            {"table": "kept layers", "layer": name, "kept_sparse": kept,
+             "on_kernel": on_kernel, "ratio": in_steps}
+        )  # fmt: skip
+        rows.append(
+            [
+                name,
+                timed["weight"],
+                str(timed["rows"]),
+                f"{measured[-1]:.2f}x" if measured else "-",
+                "2:4 kernel" if kept else f"masked ({choice.reason})",
+                f"{dense['layers'][name]['ms']:.3f}",
+                f"{timed['ms']:.3f}" + ("" if on_kernel else " (masked)"),
+                f"{in_steps:.2f}x",
+            ]
+        )
+    header = ["layer", "weight", "rows", "verify_speed ratio", "verify_speed keeps"]
+    header += [
+        "dense ms in the steps",
+        "2:4 ms in the steps",
+        "dense / 2:4 in the steps",
+    ]
+    kept = [
+        r for r in stage.records if r["table"] == "kept layers" and r["kept_sparse"]
+    ]
+    stage.body += (
+        "\n\nWhat `verify_speed` (on by default with `backend='auto'`) would decide for each "
+        "MLP weight, timed eagerly at fit start at the run's rows per matmul, and every "
+        "layer timed again inside the training steps (median forward + backward per step "
+        "after the warm-up, by the layer's own hooks): on the 2:4 kernel in the kernel run "
+        "against its dense twin in the dense run. A layer verify_speed keeps must not be "
+        "slower there.\n\n" + markdown_table(header, rows)
+    )
+    slowest = min((r["ratio"] for r in kept), default=None)
+    stage.summary += (
+        f"; verify_speed would keep {len(kept)}/{len(rows)} MLP weights"
+        + (
+            f" (slowest in the steps {slowest:.2f}x dense)"
+            if slowest is not None
+            else ""
+        )
+    )
 
 
 def training_report(args: argparse.Namespace, runs: list[dict]) -> Stage:
@@ -334,8 +484,9 @@ def training_report(args: argparse.Namespace, runs: list[dict]) -> Stage:
             f"{model}, random init, {args.precision}, batch {args.batch}, AdamW lr {args.lr}, "
             f"{args.steps} steps requested; synthetic 10-class images made on the device. "
             f"The MLP linears in a runtime 2:4 phase with `backend='masked'` (dense math on "
-            f"the 2:4 weight) and with `backend='auto'` (2:4 kernels where they pass the "
-            f"checks), the same function: their losses must agree (first step within "
+            f"the 2:4 weight) and with `backend='auto', verify_speed=False` (2:4 kernels where "
+            f"they pass the kernel check, whatever their speed; what verify_speed would decide "
+            f"is below), the same function: their losses must agree (first step within "
             f"{FIRST_LOSS_TOLERANCE:.0%}, mean of the last within {LAST_LOSS_TOLERANCE:.0%}). "
             f"Median step time after {warm} warm-up steps (synchronised), peak "
             f"`torch.cuda.max_memory_allocated`."
@@ -358,7 +509,7 @@ def training_report(args: argparse.Namespace, runs: list[dict]) -> Stage:
     ]  # fmt: skip
     stage = Stage("training", "passed", body="\n".join(body))
     ratio = medians["dense"] / medians[kernels["label"]]
-    on_kernel = sum(name == "semi_structured" for name in kernels["backends"])
+    on_kernel = sum(name == "semi_structured" for name in kernels["backends"].values())
     stage.summary = (
         f"2:4 kernel step {ratio:.2f}x dense speed, {on_kernel}/{len(kernels['backends'])} "
         f"MLP weights on 2:4 kernels, loss {last[0]:.3f} dense / {last[1]:.3f} masked / "

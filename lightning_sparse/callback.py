@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -40,6 +41,7 @@ from lightning_sparse.engine.resume import ON_SCHEDULE_CHANGE
 from lightning_sparse.engine.sparsifier import PhaseChange, Sparsifier
 from lightning_sparse.fit_start import check_strategy, fit_run_length
 from lightning_sparse.formats import cerebras
+from lightning_sparse.openmp import busy_machine_notice
 
 
 class SparsityCallback(Callback):
@@ -264,6 +266,10 @@ class SparsityCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._shown = None
+        if isinstance(trainer.accelerator, CPUAccelerator):
+            notice = busy_machine_notice(torch.get_num_threads())
+            if notice is not None:
+                rank_zero_info(notice)
         states, self._pending_rng = self._pending_rng, None
         if states is not None:
             # before the train loader's first iterator draws from the generators (the run

@@ -2,8 +2,12 @@
 in sub-folders can import the shared ``helpers`` module, and holds the shared fixtures."""
 
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
+import torch
 
 from lightning_sparse import kernels
 from lightning_sparse.backends.kernel_check import forget_verdicts
@@ -15,6 +19,45 @@ def fresh_kernel_checks():
     forget_verdicts()
     yield
     forget_verdicts()
+
+
+@contextmanager
+def torch_flags_restored() -> Iterator[None]:
+    """torch's process-wide flags as they were, whatever the block set (float32 matmul
+    precision covers TF32 matmuls: torch refuses its legacy flag beside it). ``Trainer(
+    deterministic=True)`` turns deterministic algorithms on (and with them NaN-filled
+    ``torch.empty``) and never off, so a later test would run with them."""
+    cudnn = torch.backends.cudnn
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+        torch.get_float32_matmul_precision(),
+        (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    try:
+        yield
+    finally:
+        deterministic, warn_only, fill, precision, cudnn_flags, workspace = saved
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.set_float32_matmul_precision(precision)
+        cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = (
+            cudnn_flags
+        )
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
+@pytest.fixture(autouse=True)
+def fresh_torch_flags():
+    """Every test starts with the flags the one before it found (see
+    :func:`torch_flags_restored`)."""
+    with torch_flags_restored():
+        yield
 
 
 @pytest.fixture

@@ -382,6 +382,24 @@ def pretend_gpu(
     monkeypatch.setattr(cap, "cusparselt_available", lambda: cusparselt)
 
 
+def slow_kernels(monkeypatch: Any, ratio: float = 0.12) -> None:
+    """Make ``verify_speed`` time every weight, as on a GPU (its default times CUDA weights
+    only), and find each 2:4 kernel ``ratio`` times dense speed: eager 2:4 at small shapes
+    measured 0.10-0.13x on an H100, so ``verify_speed`` keeps such layers dense."""
+    from lightning_sparse.backends import speed
+    from lightning_sparse.engine import forwards
+
+    class EverywhereCheck(speed.SpeedCheck):
+        def __init__(self, tokens=None, timing=speed.EAGER, gpu_only=False) -> None:
+            super().__init__(tokens, timing, gpu_only=False)
+
+    def measured(shape, dtype, kernel, device, tokens, timing, stored):
+        return speed.SpeedMeasurement(ratio, 0.0, timing=timing, tokens=tokens)
+
+    monkeypatch.setattr(forwards, "SpeedCheck", EverywhereCheck)
+    monkeypatch.setattr(speed, "measure_speedup", measured)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw 16-bit words of a float16/bfloat16 tensor, flat (to compare packed bytes)."""
     return t.contiguous().view(-1).view(torch.int16)
@@ -465,6 +483,62 @@ def speed_rows(plan_text: str) -> dict[str, list[str]]:
     return {
         cells[0]: cells[1:] for cells in rows if re.fullmatch(r"\d+->\d+", cells[0])
     }
+
+
+class ClassProbe(L.Callback):
+    """The class of ``net.fc1`` at every optimizer step (which forward it runs)."""
+
+    def __init__(self) -> None:
+        self.classes: dict[int, str] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.classes[trainer.global_step] = type(pl_module.net.fc1).__name__
+
+
+KERNEL_PHASES = [
+    {"sparsity": "2:4", "until": 3},
+    {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 2, "until": 6},
+    {"sparsity": 0.0},
+]
+"""runtime 2:4, then magnitude 2:4 with an update, then dense: the GPU fits' schedule."""
+
+
+def kernel_fit(
+    tmp_path: Any,
+    backend: str = "auto",
+    stop: int | None = None,
+    ckpt_path: Any = None,
+    compile: bool = False,
+    accelerator: str = "gpu",
+) -> tuple[L.LightningModule, SparsityCallback, ClassProbe]:
+    """8 bf16 steps of a 256-wide TinyModule through :data:`KERNEL_PHASES` (``stop``: a
+    checkpoint there and the end), for the tests of the 2:4 kernel path: ``verify_speed`` is
+    off, since these tests are about the kernels (at this size eager 2:4 is slower than
+    dense, so it would keep every layer on masked math)."""
+    L.seed_everything(0, verbose=False)
+    model = CompiledTiny(
+        "inductor" if compile else None, width=256, inputs=256, lr=1e-3
+    )
+    cb = SparsityCallback(
+        phases=KERNEL_PHASES, backend=backend, verbose=False, verify_speed=False
+    )
+    probe = ClassProbe()
+    callbacks: list[L.Callback] = [cb, probe]
+    if stop:
+        callbacks += [
+            StopAt(stop),
+            ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=stop),
+        ]
+    trainer = fast_trainer(
+        accelerator=accelerator,
+        max_steps=8,
+        precision="bf16-mixed",
+        callbacks=callbacks,
+        enable_checkpointing=bool(stop),
+    )
+    data = DataLoader(RepeatedBatch(n=48, batch_size=12, inputs=256), batch_size=12)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return model, cb, probe
 
 
 def demo_trainer(**kwargs: Any) -> L.Trainer:

@@ -157,6 +157,30 @@ def test_a_model_on_the_meta_device_finds_its_head_by_a_meta_forward():
     )
 
 
+class CompiledInConfigureModel(Classifier):
+    """Compiled in ``configure_model``, as the demo models are, by a backend that must never
+    run in a plan."""
+
+    def configure_model(self) -> None:
+        def refuse(graph: object, inputs: object) -> None:
+            raise AssertionError("the plan compiled the model")
+
+        self.model.compile(backend=refuse)
+
+
+def test_plan_runs_configure_model_and_records_the_head_without_compiling():
+    with torch.device("meta"):
+        module = CompiledInConfigureModel(
+            tiny_torchvision_vit(), example=torch.randn(1, 3, 16, 16)
+        )
+    cb = SparsityCallback(sparsity="2:4")  # default selection: a forward finds the head
+    text = format_plan(
+        plan_schedule(fast_trainer(max_steps=10, callbacks=[cb]), module)
+    )
+    assert module.model._compiled_call_impl is not None  # configure_model ran
+    assert "output head model.heads.head: returned by the forward" in text
+
+
 def test_plan_builds_a_model_that_reads_its_weights_for_real_and_says_so(capsys):
     cli = SparseCLI(
         args=[

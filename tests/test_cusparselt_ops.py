@@ -126,6 +126,34 @@ def test_a_searched_configuration_that_disagrees_with_algorithm_0_is_not_used(
         assert cache.choose(bigger, dense, None, 512) == algorithms.DEFAULT
 
 
+def test_a_search_that_raises_leaves_algorithm_0_and_a_cuda_error_is_raised():
+    def search(packed, dense, bias, transposed):
+        if packed.shape[0] == 64:
+            raise torch.AcceleratorError("CUDA error: an illegal memory access")
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 8.00 GiB\nmore"
+        )
+
+    cache = AlgorithmCache(search, run=lambda *args: pytest.fail("nothing runs"))
+    packed, dense = torch.randn(128, 256), torch.randn(256, 64)
+    with pytest.warns(RuntimeWarning) as warned:
+        assert cache.choose(packed, dense, None, out_features=128) == algorithms.DEFAULT
+    assert str(warned[0].message) == (
+        "cuSPARSELt's search raised OutOfMemoryError for a 128x256 float32 weight at up to "
+        "64 tokens (CUDA out of memory. Tried to allocate 8.00 GiB); such shapes run "
+        "algorithm 0 (correct, maybe slower), and the fit-start table names them"
+    )
+    assert cache.describe(128, 256) == "alg 0 (the search raised)"
+    with warnings.catch_warnings():  # one warning per process, one search per shape
+        warnings.simplefilter("error")
+        assert (
+            cache.choose(torch.randn(512, 256), dense, None, 512) == algorithms.DEFAULT
+        )
+        assert cache.choose(packed, dense, None, out_features=128) == algorithms.DEFAULT
+    with pytest.raises(torch.AcceleratorError):  # the process is unusable: no fallback
+        cache.choose(torch.randn(64, 256), dense, None, out_features=64)
+
+
 def test_a_searched_configuration_that_agrees_is_kept_and_bias_is_part_of_the_shape(
     monkeypatch,
 ):
@@ -210,6 +238,29 @@ def test_a_packer_that_differs_warns_and_the_table_names_the_packer(monkeypatch)
 
 
 CPU = torch.device("cpu")
+
+
+def test_the_packer_comparison_runs_once_per_gpu_however_the_device_is_written(
+    monkeypatch,
+):
+    compared = []
+    monkeypatch.setattr(cusparselt, "_PACKERS", {})
+    monkeypatch.setattr(
+        cusparselt, "_compare_packers", lambda *key: compared.append(key) or True
+    )
+    monkeypatch.setattr(cusparselt, "_triton_differs", lambda *key: "no Triton here")
+    monkeypatch.setattr(cusparselt, "capturing", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for device in ("cuda", "cuda:1", "cuda", "cuda:0"):
+        assert cusparselt.packer_matches(torch.bfloat16, torch.device(device))
+    cuda = torch.device("cuda", 1)
+    assert compared == [
+        (torch.bfloat16, cuda),
+        (torch.bfloat16, torch.device("cuda", 0)),
+    ]
+    assert cusparselt.packer_note(torch.bfloat16, torch.device("cuda")) == (
+        "packed by lightning_sparse (no Triton here)"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_sparse.backends.cusparselt_packer import (
+    canonical_words,
     compress,
     packing,
     supports,
@@ -161,6 +162,28 @@ def test_negative_zeros_count_as_zeros_and_padding_is_positive_zero():
     w = random_2to4((128, 128), torch.bfloat16, seed=1, kept=(0, 1))
     signed = torch.where(w == 0, torch.tensor(-0.0, dtype=w.dtype), w)
     assert torch.equal(bits(compress(signed)), bits(compress(w)))
+
+
+def test_the_canonical_form_ignores_only_the_sign_of_zero():
+    """What the packer comparison reads: two packings of one weight agree whichever zero
+    fills their padding; another pattern of the same stored values (only the metadata
+    differs), a value of the other sign or another value does not."""
+    w = torch.zeros(128, 128, dtype=torch.bfloat16)
+    values = torch.arange(1, 33, dtype=torch.bfloat16) / 8  # exact in bfloat16
+    w[:, 0::4] = values
+    w[:, 1::4] = -values
+    moved = w.roll(2, dims=1)  # the same values kept at positions 2 and 3 of each group
+    ours, other_pattern = compress(w), compress(moved)
+    stored = w.numel() // 2
+    assert torch.equal(bits(ours)[:stored], bits(other_pattern)[:stored])
+    padded = compress(torch.where(torch.arange(128) % 4 == 1, 0.0, w).bfloat16())
+    signed = padded.clone()
+    signed.view(-1)[1::2][: stored // 2] = -0.0  # every group's padding written as -0.0
+    assert not torch.equal(bits(signed), bits(padded))
+    assert torch.equal(canonical_words(signed), canonical_words(padded))
+    other_values = compress(torch.where(w < 0, 2 * w, w))  # other negative values
+    for unlike in (other_pattern, compress(-w), other_values):
+        assert not torch.equal(canonical_words(unlike), canonical_words(ours))
 
 
 def test_a_packing_equals_compress_of_the_masked_weight():

@@ -11,6 +11,7 @@ each), checkpoints inside the ``magnitude`` phase, and resumes from there.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -307,3 +308,30 @@ def test_restore_rng_resumes_each_rank_s_own_dropout_bitwise(job):
         runs = report["rank_rng"]
         assert runs["resumed restore_rng=True"] == runs["full restore_rng=True"]
         assert runs["resumed restore_rng=False"] != runs["full restore_rng=False"]
+
+
+def test_an_error_on_one_rank_while_choosing_backends_stops_every_rank(tmp_path):
+    """A rank whose kernel check runs out of memory, or whose verify_speed timing raises,
+    reaches the ranks' agreement with its error: every rank raises the same error at once,
+    none waits in a collective for ever."""
+    worker = Path(__file__).with_name("rank_failure_worker.py")
+    ranks = run_workers({}, tmp_path, timeout=120, worker=worker)
+    for case, failed, expected in (
+        (
+            "kernel check",
+            1,
+            "OutOfMemoryError in the kernel check of cuSPARSELt on sm90",
+        ),
+        ("verify_speed", 0, "RuntimeError: CUBLAS_STATUS_ALLOC_FAILED while timing"),
+    ):
+        raised = [report[case]["raised"] for report in ranks]
+        assert raised[0] == raised[1], case  # the same error on both ranks
+        assert raised[0]["type"] == "RankFailure"
+        message = raised[0]["message"]
+        assert message.startswith(
+            "[group] choosing each layer's backend (the kernel check, verify_speed) "
+            f"failed on rank {failed}, {expected}"
+        ), message
+        assert f"rank {1 - failed}," not in message
+        assert all(report[case]["seconds"] < 30 for report in ranks)
+    assert "free GPU memory" in ranks[0]["kernel check"]["raised"]["message"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import lightning_sparse
+from lightning_sparse import openmp
 from lightning_sparse.cli import entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_a_busy_machine_gets_sleeping_openmp_threads_and_is_told(capsys, monkeyp
     monkeypatch.setattr(sys, "argv", ["lightning-sparse"])
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # restored after the test
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(entry, "_load_and_cores", lambda: (3.2, 2))
+    monkeypatch.setattr(openmp, "load_and_cores", lambda: (3.2, 2))
     entry.main(["plan", f"--config={VIT_DEMO}", "--plot=false"])
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     err = capsys.readouterr().err
@@ -82,22 +83,52 @@ def test_a_busy_machine_gets_sleeping_openmp_threads_and_is_told(capsys, monkeyp
     assert "set OMP_WAIT_POLICY=ACTIVE to keep them spinning" in err
 
 
+@pytest.mark.parametrize(
+    "chosen",
+    [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}],
+    ids=["OMP_WAIT_POLICY", "GOMP_SPINCOUNT"],
+)
+def test_a_wait_policy_the_environment_chose_is_left_alone(capsys, monkeypatch, chosen):
+    """On a busy machine too: libgomp's GOMP_SPINCOUNT says how long threads spin, so it
+    chooses a policy as much as OMP_WAIT_POLICY does."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    for name, value in chosen.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(openmp, "load_and_cores", lambda: (3.2, 2))
+    openmp.choose_wait_policy()
+    policies = {
+        name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    }
+    assert policies == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None, **chosen}
+    assert capsys.readouterr().err == ""
+
+
 TRAIN = """
-import hashlib, torch
+import hashlib, os, sys
+from lightning_sparse import openmp
+openmp.load_and_cores = lambda: ({load}, 2)
+openmp.choose_wait_policy()  # as the command does, before torch loads
+loaded = "torch" in sys.modules
+import torch
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
 opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
 for _ in range(20):
     loss = net(torch.randn(128, 256)).square().mean()
     loss.backward(); opt.step(); opt.zero_grad()
-print(torch.get_num_threads(), hashlib.sha256(b"".join(
-    p.detach().numpy().tobytes() for p in net.parameters())).hexdigest())
+print(os.environ.get("OMP_WAIT_POLICY"), loaded, torch.get_num_threads(), hashlib.sha256(
+    b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest())
 """
 
 
-def test_the_wait_policy_leaves_results_bit_for_bit():
-    """The thread count stays, and so does every bit: the policy only says how idle threads
-    wait."""
-    active = python(TRAIN, OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="2")
-    passive = python(TRAIN, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="2")
-    assert active == passive and active.startswith("2 ")
+def test_the_wait_policy_leaves_results_bit_for_bit(monkeypatch):
+    """On a busy machine the command makes OpenMP threads sleep, set before torch loads; the
+    thread count stays, and so does every bit of the training that follows, as on an idle
+    machine, where OpenMP's default stays: the policy only says how idle threads wait."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    busy = python(TRAIN.format(load=3.2), OMP_NUM_THREADS="2").split()
+    idle = python(TRAIN.format(load=0.0), OMP_NUM_THREADS="2").split()
+    assert busy[:3] == ["PASSIVE", "False", "2"] and idle[:3] == ["None", "False", "2"]
+    assert busy[3] == idle[3]

@@ -39,6 +39,29 @@ def test_a_gmp_ramp_in_one_update_is_warned_about_with_the_fix():
         )
 
 
+def test_a_gmp_ramp_from_50_to_90_percent_is_judged_by_its_own_span():
+    """Half of a ramp from 50% to 90% is 20 points (not the 45 of a ramp from 0%): every 4
+    steps, its first update prunes 24% of the weights, and it is warned about; every 3 steps
+    (at most 20%) it is not, nor with the fix the warning names."""
+    phase = {"sparsity": 0.9, "algorithm": "gmp", "initial_sparsity": 0.5}
+    with pytest.warns(UserWarning) as record:
+        fit(SparsityCallback(phases=[{**phase, "update_every": 4}], verbose=False))
+    (message,) = [str(w.message) for w in record if "ramp" in str(w.message)]
+    assert message == (
+        "[sparsity] phase 1 (90% gmp, steps 0-19): its ramp from 50% to 90% has 4 mask "
+        "updates (update_every=4, from step 0 to update_stop (step 15)), so the update at "
+        "step 4 prunes 24% of the weights at once: set update_every=1 (15 updates over the "
+        "15 steps from update_start to update_stop)"
+    )
+    for every in (3, 1):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=r"\[sparsity\] phase")
+            cb = SparsityCallback(
+                phases=[{**phase, "update_every": every}], verbose=False
+            )
+            fit(cb)
+
+
 @pytest.mark.parametrize("algorithm", ["set", "rigl"])
 def test_set_and_rigl_with_one_update_are_warned_about(algorithm):
     cb = SparsityCallback(sparsity=0.5, algorithm=algorithm, verbose=False)

@@ -54,6 +54,12 @@ def test_export_names_what_it_takes():
     ):
         export_state_dict(TinyModule())  # never fit: no trainer holds its masks
     with pytest.raises(
+        ValueError,
+        match=r"export_state_dict\(trainer\): the trainer holds no model yet.*after "
+        r"trainer.fit\(model",
+    ):
+        export_state_dict(L.Trainer(logger=False, accelerator="cpu"))  # before its fit
+    with pytest.raises(
         TypeError,
         match=r"source=.*Trainer that ran fit, the LightningModule.*got a Linear",
     ):

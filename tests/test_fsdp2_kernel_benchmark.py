@@ -46,6 +46,7 @@ def test_fsdp2_kernel_benchmark_runs_on_the_cpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.compiles
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fsdp2_kernel_on_nccl_runs_every_mlp_layer_and_follows_the_masked_run(tmp_path):
     out, records = bench(

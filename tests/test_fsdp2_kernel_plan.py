@@ -90,14 +90,18 @@ def test_fsdp2_kernel_plan_shards_over_the_devices_given(capsys):
     ]
 
 
+@pytest.mark.parametrize("algorithm", ["magnitude", "static"])
 @pytest.mark.parametrize("shards", [1, 8])
-def test_fsdp2_kernel_memory_of_stored_masks_on_the_kernel(monkeypatch, shards):
-    """A ``magnitude`` phase on cuSPARSELt keeps each layer's packing whole on every rank,
-    and under FSDP2 also its whole mask (the forward runs on the gathered weight)."""
+def test_fsdp2_kernel_memory_of_stored_masks_on_the_kernel(
+    monkeypatch, shards, algorithm
+):
+    """A stored mask on cuSPARSELt, straight-through (``magnitude``) or hard (``static``),
+    keeps each layer's packing whole on every rank, and under FSDP2 also its whole mask
+    (the forward runs on the gathered weight)."""
     pretend_gpu(monkeypatch, (9, 0))
     net = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
     phases = resolve_phases(
-        [Phase(sparsity="2:4", algorithm="magnitude", until=50), Phase(sparsity=0.0)],
+        [Phase(sparsity="2:4", algorithm=algorithm, until=50), Phase(sparsity=0.0)],
         100,
     )
     targets = select_parameters(net, params=["0.weight", "2.weight"]).targets

@@ -12,22 +12,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-# Imported first in every subprocess (via PYTHONPATH): the wheels a bare GPU machine lacks are
-# found (so torch's find_spec probes see a spec without a file) but fail to import.
-BLOCKER = """
-import sys
-from importlib.machinery import ModuleSpec
-
-class Bare:
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("jsonargparse", "hypothesis"):
-            return ModuleSpec(name, self)
-
-    def create_module(self, spec):
-        raise ModuleNotFoundError(f"{spec.name} is blocked: a bare GPU machine lacks it")
-
-sys.meta_path.insert(0, Bare())
-"""
+# First on every subprocess's path: the packages a bare GPU machine lacks are missing there
+BARE = Path(__file__).resolve().parent / "bare_gpu_machine"
 STAGES = {
     "correctness": [
         "environment",
@@ -35,6 +21,7 @@ STAGES = {
         "gpu tests",
         "verify_speed",
         "training",
+        "gpu compile tests",
     ],
     "speed": [
         "environment",
@@ -49,10 +36,7 @@ STAGES = {
 @pytest.fixture
 def acceptance(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    blocked = tmp_path / "blocked"
-    blocked.mkdir()
-    (blocked / "sitecustomize.py").write_text(BLOCKER)
-    monkeypatch.setenv("PYTHONPATH", str(blocked))
+    monkeypatch.setenv("PYTHONPATH", str(BARE))
     monkeypatch.setenv(
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"
     )  # no hypothesis plugin there
@@ -84,8 +68,17 @@ def test_the_correctness_part_checks_kernels_runs_gpu_tests_and_trains(
     assert "the kernel run against the masked run: first step 0.00% apart" in report
     assert "model.blocks.1.mlp.fc2.weight" in report
     assert (
-        "| slowest layer verify_speed keeps on a 2:4 kernel | at least 1 x |" in report
+        "| slowest layer verify_speed keeps on a 2:4 kernel, timed again in the training "
+        "steps | at least 1 x | none kept sparse | PASS |" in report
     )
+    # every GPU test by name, in the stage that runs it (collected only, here)
+    gpu_tests, compile_tests = report.split("## 3. gpu tests")[1].split("## 6.")
+    row = "| `tests/test_semi_structured_gpu.py::test_compiled_training_on_the_gpu` |"
+    assert f"{row} not run |" in compile_tests and row not in gpu_tests
+    row = "| `tests/test_semi_structured_gpu.py::test_resume_on_the_gpu` | not run |"
+    assert row in gpu_tests
+    # what verify_speed would decide in the training run, and the layers timed in its steps
+    assert "| model.blocks.0.mlp.fc1.weight | 256x64 | 34 |" in report
     assert "LLM block stack" not in report.split("## 1.")[0]  # the speed part's targets
 
 
@@ -167,7 +160,8 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         {"table": "fused", "weight": "11008x4096", "job": "W, W.T at a stored mask",
          "in_use": True, "method": "Triton: W, W.T, one pass", "graphed_ms": 0.07,
          "eager_ms": 0.1},  # the packer in use: Triton, no packing row in use
-        {"table": "verify_speed", "kept_sparse": False, "ratio": 0.5},
+        {"table": "verify_speed", "kept_sparse": True, "ratio": 1.5},  # the decision's own
+        {"table": "kept layers", "kept_sparse": False, "on_kernel": True, "ratio": 0.5},
     ]  # fmt: skip
     stages = [acceptance.Stage("s", records=records)]
     verdicts = {
@@ -192,10 +186,15 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         "FAIL",
     ]
     assert verdicts["LLM block stack training step, compiled"] == ["-", "not run"]
-    assert verdicts["slowest layer verify_speed keeps on a 2:4 kernel"] == [
-        "none kept sparse",
-        "PASS",
+    slowest = "slowest layer verify_speed keeps on a 2:4 kernel, timed again in the training steps"
+    assert verdicts[slowest] == ["none kept sparse", "PASS"]
+    records.append(
+        {"table": "kept layers", "kept_sparse": True, "on_kernel": True, "ratio": 0.9}
+    )
+    (row,) = [
+        r for r in acceptance.target_rows(stages, "correctness") if r[0] == slowest
     ]
+    assert row[2:] == ["0.9 x", "FAIL"]
 
 
 def test_benchmark_stages_are_picked_by_flag(monkeypatch, tmp_path, capsys):
@@ -210,3 +209,66 @@ def test_benchmark_stages_are_picked_by_flag(monkeypatch, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| tiny ViT-B, batch 2 | eager | 2:4 MLPs |" in printed
     assert "compiled" not in printed.split("| model |")[1]
+
+
+def test_the_training_stage_runs_its_kernel_leg_on_the_kernels_and_reports_the_decision(
+    acceptance, monkeypatch
+):
+    """On a GPU where eager 2:4 is 0.12x dense at these shapes (a pretend one, the emulation
+    standing in for the kernels) verify_speed would keep every layer on masked math: the
+    kernel leg runs the kernels all the same, and the report says what verify_speed would
+    decide, and how each layer timed inside the steps."""
+    from helpers import pretend_gpu, slow_kernels
+
+    stages = importlib.import_module("acceptance_stages")
+    # MLP weights of 512x128 and 128x512, which the kernel rules take
+    monkeypatch.setattr(stages, "TINY_VIT", {**stages.TINY_VIT, "embed_dim": 128})
+    pretend_gpu(monkeypatch, (9, 0))
+    slow_kernels(monkeypatch)
+    args = acceptance.parse(["--part", "correctness", "--cpu-smoke"])
+    stage = stages.training(args, deadline=float("inf"))
+    assert "4/4 MLP weights on 2:4 kernels" in stage.summary
+    assert "verify_speed would keep 0/4 MLP weights" in stage.summary
+    assert (
+        "| model.blocks.1.mlp.fc2.weight | 128x512 | 34 | 0.12x | masked ("
+        in stage.body
+    )
+    assert (
+        "sparse 0.12x dense (eager, 34 tokens), so kept dense (verify_speed)"
+        in stage.body
+    )
+    timed = [r for r in stage.records if r["table"] == "kept layers"]
+    assert len(timed) == 4 and all(
+        r["on_kernel"] and not r["kept_sparse"] for r in timed
+    )
+    assert all(r["ratio"] > 0 for r in timed)
+
+
+def test_the_test_log_says_which_tests_passed_failed_or_never_ran(
+    tmp_path, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    plugin = importlib.import_module("pytest_outcomes")
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv(plugin.LOG, str(log))
+    session = type("Session", (), {"items": []})()
+    session.items = [type("Item", (), {"nodeid": f"t.py::{n}"})() for n in "abcd"]
+    plugin.pytest_collection_finish(session)
+
+    def report(name, when, outcome):
+        fields = {"nodeid": f"t.py::{name}", "when": when, "outcome": outcome}
+        fields.update(passed=outcome == "passed", skipped=outcome == "skipped")
+        plugin.pytest_runtest_logreport(type("Report", (), fields)())
+
+    report("a", "setup", "passed")
+    report("a", "call", "passed")
+    report("b", "setup", "skipped")  # skipped before its call
+    report("c", "call", "passed")
+    report("c", "teardown", "failed")  # an error after a passed call: an error
+    # d: the run was killed before it
+    assert plugin.outcomes(str(log)) == {
+        "t.py::a": "passed",
+        "t.py::b": "skipped",
+        "t.py::c": "error",
+        "t.py::d": "not run",
+    }

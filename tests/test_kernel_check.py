@@ -205,6 +205,41 @@ def test_an_interrupted_check_is_raised_and_no_verdict_is_kept(inject, error):
     assert check_kernel("cusparselt", torch.bfloat16, cpu).passed
 
 
+@pytest.mark.parametrize(
+    ("error", "fix", "other_fix"),
+    [
+        (
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"),
+            "free GPU memory (a smaller batch, fewer processes on this GPU) and run again",
+            "restart",
+        ),
+        (
+            torch.AcceleratorError(
+                "CUDA error: an illegal memory access was encountered"
+            ),
+            "a CUDA error leaves the process unusable: restart it",
+            "free GPU memory",
+        ),
+    ],
+    ids=["out of memory", "CUDA error"],
+)
+def test_an_interrupted_check_stops_the_fit_with_the_fix_for_its_error(
+    inject, error, fix, other_fix
+):
+    """What the user reads when the GPU's state interrupts the kernel check at fit start: the
+    error it was, that the kernel is not to blame, and the fix for that error only."""
+
+    def interrupted(*args, **kwargs):
+        raise error
+
+    inject(interrupted)
+    with pytest.raises(RuntimeError) as raised:
+        fit()
+    message = str(raised.value)
+    assert str(error) in message and "says nothing about the kernel" in message
+    assert fix in message and other_fix not in message
+
+
 def test_no_op_packs_or_searches_before_the_kernel_check_passed(inject, monkeypatch):
     """Every cuSPARSELt op asks for the check first: a failed kernel never packs, compares
     packers or searches (on a GPU: no cuSPARSELt work, and nothing in a capture)."""

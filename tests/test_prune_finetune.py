@@ -134,8 +134,14 @@ def test_init_from_a_file_of_another_model_or_no_file_ends_with_the_reason(
         SparseCLI(args=wider)
     with pytest.raises(SystemExit, match="init_from='nowhere.ckpt': no such file"):
         SparseCLI(args=[*common, "--init_from=nowhere.ckpt"])
-    with pytest.raises(SystemExit, match="export_to writes the model that fit trained"):
-        SparseCLI(args=["validate", *common[1:], f"--init_from={dense_checkpoint}"])
+    validate = ["validate", *common[1:], f"--init_from={dense_checkpoint}"]
+    with pytest.raises(
+        SystemExit,
+        match=r"export_to writes the model that fit trained; .*--export_to=null on the command",
+    ):
+        SparseCLI(args=validate)
+    cli = SparseCLI(args=[*validate, "--export_to=null"])  # the fix it gives
+    assert "val/loss" in cli.trainer.callback_metrics
 
 
 def test_learn_masks_fix_them_fine_tune_and_export_compressed(

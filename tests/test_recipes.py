@@ -155,9 +155,10 @@ def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):
         "semi_structured" in r and "cuSPARSELt, sm90" in r for r in rows[:24]
     )
     assert "at peak rates" in out
+    # as fit will time them: the recipe compiles with CUDA graphs (reduce-overhead)
     assert (
-        "verify_speed: on: each layer shape on a 2:4 kernel timed at fit start, eagerly, at "
-        "32896 tokens; slower ones keep dense math" in " ".join(out.split())
+        "verify_speed: on: each layer shape on a 2:4 kernel timed at fit start, as CUDA "
+        "graphs, at 32896 tokens; slower ones keep dense math" in " ".join(out.split())
     )
     # what decides on the GPU, and what 2:4 kernels did on an H100, not a range from elsewhere
     assert (
@@ -166,6 +167,17 @@ def test_plan_for_a_target_gpu_predicts_each_layers_kernel(tmp_path, capsys):
     )
     assert (
         "0.15-0.24x dense per layer in eager training" in out and "1.1-1.4x" not in out
+    )
+
+
+def test_plan_times_a_model_compiled_without_cuda_graphs_eagerly(tmp_path, capsys):
+    recipe = (
+        RECIPES / "hf" / "llama_1b_fsdp2_24_70pct.yaml"
+    )  # compile: default, per block
+    plan(recipe, tmp_path, "--plot=false", "--gpu=h100")
+    assert (
+        "verify_speed: on: each layer shape on a 2:4 kernel timed at fit start, eagerly, at "
+        "16384 tokens" in " ".join(capsys.readouterr().out.split())
     )
 
 

@@ -1,12 +1,16 @@
 """``restore_rng=True``: checkpoints hold the global random number generators' states, so a model
 with dropout, trained on a shuffled loader, resumes from an epoch boundary bit for bit (without
-it, the masks and schedule resume exactly but dropout and data order do not); the saved states
-are checked before they are set."""
+it, the masks and schedule resume exactly but dropout and data order do not), and so do
+augmentations drawn from NumPy's and Python's generators; the saved states are checked before
+they are set."""
+
+import random
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
-from helpers import StopAfterEpoch, WithDropout, fast_trainer
+from helpers import StopAfterEpoch, TinyModule, WithDropout, fast_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -15,21 +19,33 @@ from lightning_sparse import SparsityCallback, export_state_dict, rng_state
 EPOCHS = 4  # of 4 batches: rigl updates at steps 2, 4, ... 12
 
 
-def data(shuffle: bool) -> DataLoader:
-    """24 samples in batches of 6; shuffled, the order comes from torch's generator."""
+class Jittered(TensorDataset):
+    """Samples whose inputs are jittered by NumPy's and Python's global generators, as
+    augmentations in a loader's main process draw them."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = super().__getitem__(index)
+        return x * float(np.random.uniform(0.9, 1.1)) + random.gauss(0.0, 0.1), y
+
+
+def data(shuffle: bool, jitter: bool = False) -> DataLoader:
+    """24 samples in batches of 6; shuffled, the order comes from torch's generator;
+    ``jitter``: each sample jittered (:class:`Jittered`)."""
     gen = torch.Generator().manual_seed(1)
-    samples = TensorDataset(
-        torch.randn(24, 8, generator=gen), torch.randn(24, 4, generator=gen)
-    )
+    tensors = torch.randn(24, 8, generator=gen), torch.randn(24, 4, generator=gen)
+    samples = Jittered(*tensors) if jitter else TensorDataset(*tensors)
     return DataLoader(samples, batch_size=6, shuffle=shuffle)
 
 
-def fit(tmp_path, restore_rng, validate, stop=None, ckpt_path=None, seed=0):
-    """4 epochs of :class:`WithDropout` under rigl; with ``stop``, end after that epoch and
-    write ``epoch=<stop>.ckpt`` (by ModelCheckpoint after validation, or by
-    ``trainer.save_checkpoint`` after fit)."""
+def fit(
+    tmp_path, restore_rng, validate, stop=None, ckpt_path=None, seed=0, jitter=False
+):
+    """4 epochs of :class:`WithDropout` under rigl (``jitter``: of a :class:`TinyModule`,
+    without dropout, on the jittered samples in order, so that only NumPy's and Python's
+    generators draw); with ``stop``, end after that epoch and write ``epoch=<stop>.ckpt``
+    (by ModelCheckpoint after validation, or by ``trainer.save_checkpoint`` after fit)."""
     L.seed_everything(seed, verbose=False)
-    model = WithDropout()
+    model = TinyModule(lr=0.05) if jitter else WithDropout()
     phases = [{"sparsity": 0.5, "algorithm": "rigl", "update_every": 2}]
     callbacks = [
         SparsityCallback(phases=phases, verbose=False, restore_rng=restore_rng)
@@ -47,7 +63,10 @@ def fit(tmp_path, restore_rng, validate, stop=None, ckpt_path=None, seed=0):
         **val,
     )
     trainer.fit(
-        model, data(True), data(False) if validate else None, ckpt_path=ckpt_path
+        model,
+        data(not jitter, jitter),
+        data(False) if validate else None,
+        ckpt_path=ckpt_path,
     )
     if stop is not None and not validate:
         trainer.save_checkpoint(tmp_path / f"epoch={stop}.ckpt")
@@ -67,6 +86,17 @@ def test_a_dropout_model_resumes_bitwise_from_an_epoch_boundary(
     resumed = fit(tmp_path, restore_rng, validate, ckpt_path=checkpoint, seed=123)
     equal = [torch.equal(reference[k], v) for k, v in resumed.state_dict().items()]
     # without the generators, dropout and the shuffled order go their own way
+    assert all(equal) if restore_rng else not any(equal)
+
+
+@pytest.mark.parametrize("restore_rng", [True, False])
+def test_numpy_and_python_random_numbers_resume_as_well(tmp_path, restore_rng):
+    """Only NumPy's and Python's generators draw here (no dropout, no shuffling)."""
+    reference = fit(tmp_path, restore_rng, False, jitter=True).state_dict()
+    fit(tmp_path, restore_rng, False, stop=1, jitter=True)
+    checkpoint = tmp_path / "epoch=1.ckpt"
+    resumed = fit(tmp_path, restore_rng, False, None, checkpoint, 123, jitter=True)
+    equal = [torch.equal(reference[k], v) for k, v in resumed.state_dict().items()]
     assert all(equal) if restore_rng else not any(equal)
 
 

@@ -113,7 +113,9 @@ def test_dense_phase_rejects_options():
 
 def test_phase_from_dict_errors_name_phase_and_key():
     with pytest.raises(
-        ValueError, match=r"phases\[2\]: unknown key\(s\) \['untill'\]; a phase accepts"
+        ValueError,
+        match=r"phases\[2\]: unknown key\(s\) \['untill'\] \(did you mean 'until' for "
+        r"'untill'\?\); a phase accepts",
     ):
         Phase.from_any({"sparsity": 0.5, "untill": 0.7}, "phases[2]")
     with pytest.raises(ValueError, match=r"phases\[1\]: sparsity=1.2 is outside"):

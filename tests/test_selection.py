@@ -98,10 +98,13 @@ def test_pattern_matching_nothing_is_named():
     with pytest.raises(
         ValueError,
         match=r"params pattern 'blocks.\*.mlp.fc9.weight' matches no parameter of VisionTransformer",
-    ):
+    ) as err:
         select_parameters(
             vit(), params=["blocks.*.mlp.fc1.weight", "blocks.*.mlp.fc9.weight"]
         )
+    # the names nearest the typo, not the model's first three (cls_token, pos_embed, ...)
+    listed = str(err.value).split("the closest names are ")[1].split("]")[0]
+    assert listed.count("'") == 6 and listed.count(".mlp.fc") == 3, listed
     with pytest.raises(
         ValueError, match=r"exclude pattern 'nothing' matches no parameter"
     ):

@@ -3,17 +3,13 @@ resume, torch.compile and verify_speed. Skipped without a CUDA GPU of capability
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CompiledTiny, RepeatedBatch, StopAt, fast_trainer, install_runtime
-from lightning.pytorch.callbacks import ModelCheckpoint
+from helpers import install_runtime, kernel_fit
 from torch import nn
 from torch.sparse import SparseSemiStructuredTensorCUSPARSELT
-from torch.utils.data import DataLoader
 
-from lightning_sparse import SparsityCallback
 from lightning_sparse.backends import capability as cap
 from lightning_sparse.backends import cusparselt
 from lightning_sparse.backends import semi_structured as ss
@@ -110,63 +106,21 @@ def test_kernel_matches_emulation_outputs_and_gradients(kernel, autocast, stored
         torch.testing.assert_close(p.grad, q.grad, **BF16)
 
 
-class ClassProbe(L.Callback):
-    def __init__(self) -> None:
-        self.classes: dict[int, str] = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.classes[trainer.global_step] = type(pl_module.net.fc1).__name__
-
-
-PHASES = [
-    {"sparsity": "2:4", "until": 3},
-    {"sparsity": "2:4", "algorithm": "magnitude", "update_every": 2, "until": 6},
-    {"sparsity": 0.0},
-]
-
-
-def fit(tmp_path, backend="auto", stop=None, ckpt_path=None, compile=False):
-    L.seed_everything(0, verbose=False)
-    model = CompiledTiny(
-        "inductor" if compile else None, width=256, inputs=256, lr=1e-3
-    )
-    cb, probe = (
-        SparsityCallback(phases=PHASES, backend=backend, verbose=False),
-        ClassProbe(),
-    )
-    callbacks = [cb, probe]
-    if stop:
-        callbacks += [
-            StopAt(stop),
-            ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=stop),
-        ]
-    trainer = fast_trainer(
-        accelerator="gpu",
-        max_steps=8,
-        precision="bf16-mixed",
-        callbacks=callbacks,
-        enable_checkpointing=bool(stop),
-    )
-    data = DataLoader(RepeatedBatch(n=48, batch_size=12, inputs=256), batch_size=12)
-    trainer.fit(model, data, ckpt_path=ckpt_path)
-    return model, cb, probe
-
-
 def test_training_switches_phases_on_the_gpu_like_masked(tmp_path):
-    model, cb, probe = fit(tmp_path)
+    model, cb, probe = kernel_fit(tmp_path)
     assert cb.sparsifier.backends[0, "net.fc1.weight"].name == "semi_structured"
     assert probe.classes[0] == probe.classes[4] == "SemiStructuredLinear"
     assert probe.classes[7] == "Linear"
-    masked, _, _ = fit(tmp_path, backend="masked")
+    masked, _, _ = kernel_fit(tmp_path, backend="masked")
     for p, q in zip(model.parameters(), masked.parameters()):
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p, q, **DRIFT)
 
 
 def test_resume_on_the_gpu(tmp_path):
-    reference, ref_cb, _ = fit(tmp_path / "ref")
-    fit(tmp_path / "ck", stop=4)  # inside the magnitude phase
-    resumed, cb, probe = fit(
+    reference, ref_cb, _ = kernel_fit(tmp_path / "ref")
+    kernel_fit(tmp_path / "ck", stop=4)  # inside the magnitude phase
+    resumed, cb, probe = kernel_fit(
         tmp_path / "res", ckpt_path=tmp_path / "ck" / "step=4.ckpt"
     )
     assert cb.sparsifier.history == ref_cb.sparsifier.history
@@ -176,14 +130,16 @@ def test_resume_on_the_gpu(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-3)
 
 
+@pytest.mark.compiles
 def test_compiled_training_on_the_gpu(tmp_path):
-    eager, _, _ = fit(tmp_path)
-    compiled, _, probe = fit(tmp_path, compile=True)
+    eager, _, _ = kernel_fit(tmp_path)
+    compiled, _, probe = kernel_fit(tmp_path, compile=True)
     assert probe.classes[0] == "SemiStructuredLinear" and probe.classes[7] == "Linear"
     for p, q in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, **DRIFT)
 
 
+@pytest.mark.compiles
 def test_compiled_layer_after_a_swap_back_is_dense():
     layer = nn.Linear(256, 256).cuda().bfloat16()
     install_semi_structured_forward(layer, kernels()[0])
@@ -290,6 +246,7 @@ def test_masked_runtime_on_cuda_projects_in_the_matmul_dtype():
     assert seen == [(torch.bfloat16, True)]
 
 
+@pytest.mark.compiles
 def test_compiled_masked_runtime_is_one_cuda_graph_that_computes_as_eager():
     """The runtime 2:4 projection traced into the graph (the tile kernel as one custom op):
     ``reduce-overhead`` captures both layers without a break (``fullgraph``), projects the

@@ -221,3 +221,98 @@ def test_training_with_mask_updates_keeps_every_packing_current(monkeypatch):
     assert any(not torch.equal(a, b) for a, b in itertools.pairwise(masks))  # moved
     packed = {shape for shape, _ in calls}
     assert (128, 72) in packed  # the 128x128 weights, packed by the stored path
+
+
+def sparsified_layer(monkeypatch):
+    """A bf16 256->128 Linear in a straight-through 2:4 ``magnitude`` phase (a stored mask,
+    dense weights) on the cuSPARSELt ops (dense stand-in, a pretend sm90 GPU), with its
+    sparsifier."""
+    from lightning_sparse.core.schedule import Phase, resolve_phases
+    from lightning_sparse.core.selection import select_parameters
+    from lightning_sparse.engine.sparsifier import Sparsifier
+
+    pretend_gpu(monkeypatch, (9, 0))
+    dense_cusparselt(monkeypatch)
+    monkeypatch.setattr(ss, "kernel_runs", lambda weight, dtype: True)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 128)).to(DTYPE)
+    phase = Phase(sparsity="2:4", algorithm="magnitude", update_every=100)
+    targets = select_parameters(net, params=["0.weight"]).targets
+    sp = Sparsifier("g", targets, resolve_phases([phase], 100))
+    sp.on_step_start(0, [])
+    assert sp.backends[0, "0.weight"].name == "semi_structured"
+    assert net[0]._ls_packing is not None
+    return net[0], sp
+
+
+def test_masks_set_through_the_sparsifier_reach_compiled_and_eager_forwards(
+    monkeypatch,
+):
+    layer, sp = sparsified_layer(monkeypatch)
+    compiled = torch.compile(layer, backend=lambda gm, inputs: gm, fullgraph=True)
+    x = torch.randn(8, 256, dtype=DTYPE)
+    with torch.no_grad():
+        compiled(x)  # the graph holds the packing's tensors from here on
+    new = tile_mask(128, 256, seed=5)
+    assert not torch.equal(new, sp.masks["0.weight"])
+    sp.set_masks({"0.weight": new})
+    expected = F.linear(x, layer.weight * new, layer.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected)
+        torch.testing.assert_close(layer(x), expected)
+    assert_packing_of(layer._ls_packing, new)
+
+
+def test_a_mask_changed_in_place_is_refused_at_the_next_step(monkeypatch):
+    _, sp = sparsified_layer(monkeypatch)
+    sp.on_step_start(1, [])  # nothing changed
+    sp.masks["0.weight"].copy_(tile_mask(128, 256, seed=5))
+    with pytest.raises(RuntimeError, match=r"changed in place.*Sparsifier\.set_masks"):
+        sp.on_step_start(2, [])
+
+
+@pytest.mark.parametrize(
+    ("mask", "problem"),
+    [
+        (torch.ones(128, 256, dtype=torch.bool), "not 2:4 (at most 2 kept of every 4"),
+        (torch.ones(128, 256), "a torch.float32 torch.strided tensor"),
+        (torch.ones(256, 128, dtype=torch.bool), "of shape (256, 128), not (128, 256)"),
+    ],
+    ids=["pattern", "dtype", "shape"],
+)
+def test_set_masks_refuses_a_mask_the_phase_cannot_run(monkeypatch, mask, problem):
+    _, sp = sparsified_layer(monkeypatch)
+    before = sp.masks["0.weight"].clone()
+    with pytest.raises(
+        ValueError, match="set_masks: the mask for '0.weight' is"
+    ) as err:
+        sp.set_masks({"0.weight": mask})
+    assert problem in str(err.value) and "which phase 1 (2:4" in str(err.value)
+    with pytest.raises(
+        ValueError, match="'fc.weight' is not a parameter of this group"
+    ):
+        sp.set_masks({"fc.weight": before})
+    assert torch.equal(sp.masks["0.weight"], before)  # nothing changed
+
+
+@pytest.mark.parametrize(
+    ("phase", "problem"),
+    [
+        ({"sparsity": "2:4"}, "its algorithm 'runtime' derives them at every forward"),
+        ({"sparsity": 0.0}, "the current phase is dense, so it has no masks to set"),
+    ],
+)
+def test_set_masks_needs_a_phase_with_stored_masks(phase, problem):
+    from lightning_sparse.core.schedule import Phase, resolve_phases
+    from lightning_sparse.core.selection import select_parameters
+    from lightning_sparse.engine.sparsifier import Sparsifier
+
+    net = nn.Linear(8, 4)
+    sp = Sparsifier(
+        "g",
+        select_parameters(net, params=["weight"]).targets,
+        resolve_phases([Phase(**phase)], 10),
+    )
+    sp.on_step_start(0, [])
+    with pytest.raises(ValueError, match=problem):
+        sp.set_masks({"weight": torch.ones(4, 8, dtype=torch.bool)})

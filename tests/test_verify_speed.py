@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import pretend_gpu
+from helpers import kernel_fit, pretend_gpu, slow_kernels
 from test_semi_structured import fit
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -116,3 +116,25 @@ def test_plan_says_whether_verify_speed_is_on_and_at_which_count():
 def test_a_wrong_token_count_is_refused_with_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SparsityCallback(sparsity="2:4", **kwargs)
+
+
+def test_the_kernel_path_fits_keep_their_kernels_where_verify_speed_would_not(
+    monkeypatch, tmp_path
+):
+    """The GPU tests of the kernel path train on the kernels whatever verify_speed would
+    decide at their shapes (on a GPU where eager 2:4 is 0.12x dense: masked math, so these
+    tests would not test the kernels), and that decision is what verify_speed's default
+    makes."""
+    pretend_gpu(monkeypatch, (9, 0))
+    slow_kernels(monkeypatch)
+    _, cb, probe = kernel_fit(tmp_path, accelerator="cpu")
+    assert cb.sparsifier.backends[0, "net.fc1.weight"].name == "semi_structured"
+    assert probe.classes[0] == probe.classes[4] == "SemiStructuredLinear"
+    decided = SparsityCallback(
+        sparsity="2:4", params=["0.weight"], verbose=False
+    ).build(nn.Sequential(nn.Linear(256, 256)), RUN, torch.bfloat16)[0]
+    choice = decided.backends[0, "0.weight"]
+    assert choice.name == "masked"
+    assert "sparse 0.12x dense (eager, 8192 tokens), so kept dense (verify_speed)" in (
+        choice.reason
+    )

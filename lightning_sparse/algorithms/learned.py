@@ -13,7 +13,7 @@ The logits start from a prior mask (``init``: magnitude by default, or ``wanda``
 logits plus ``prior_strength`` times their standard deviation for every weight a candidate keeps
 in common with the prior (at the default strength of 3, the noise puts about 6% of the groups
 on another pattern than the prior's, as MaskLLM's initialisation does). They train with an Adam
-optimizer of their own (``mask_lr``), stepped once per optimizer step of the run; a sparse-weight
+optimizer of their own (``mask_lr``), stepped once per training step of the run; a sparse-weight
 regulariser (``weight_reg``, decaying linearly to zero over the phase) adds the gradient of
 ``-weight_reg * sum(|W * mask|^2)``, which favours patterns that keep large weights (MaskLLM's remedy for vanishing gradients). The Gumbel
 noise of a layer is drawn from ``(seed, parameter name, step)``, identical on every rank, for

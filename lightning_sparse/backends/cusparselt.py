@@ -68,7 +68,9 @@ from lightning_sparse.backends.cusparselt_packer import (
 )
 from lightning_sparse.backends.kernel_check import (
     capturing,
+    first_line,
     known_values,
+    normalized_device,
     require_kernel,
     versions,
 )
@@ -123,11 +125,11 @@ def packer(dtype: torch.dtype, device: torch.device) -> Packer:
     """The packer for ``dtype`` on ``device``, chosen at the first call (comparing with
     ``torch._cslt_compress``; while a CUDA graph is captured, an unknown one counts as
     ``torch._cslt_compress``)."""
-    key = (dtype, device)
+    key = (dtype, normalized_device(device))
     if key not in _PACKERS:
         if capturing(device):
             return Packer(CSLT, "not compared yet: a CUDA graph was being captured")
-        _PACKERS[key] = _choose_packer(dtype, device)
+        _PACKERS[key] = _choose_packer(*key)
     return _PACKERS[key]
 
 
@@ -225,7 +227,7 @@ def _triton_differs(dtype: torch.dtype, device: torch.device) -> str:
     except (torch.OutOfMemoryError, torch.AcceleratorError):
         raise  # the GPU's state, not the kernels': no choice is kept
     except Exception as err:  # noqa: BLE001 (a kernel that fails here is not used)
-        why = f"the Triton kernels raised {err!r:.200}"
+        why = f"the Triton kernels raised {type(err).__name__} ({first_line(err)})"
     else:
         packings = zip((*fused, *stored), expected * 2)
         if all(_writes_cslt_bytes(ours, w24) for ours, w24 in packings):

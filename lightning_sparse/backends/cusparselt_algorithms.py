@@ -38,6 +38,7 @@ from torch import Tensor
 from lightning_sparse.backends.kernel_check import (
     TOLERANCE,
     capturing,
+    first_line,
     relative_error,
 )
 
@@ -122,6 +123,8 @@ class AlgorithmCache:
         self.chosen: dict[tuple, Algorithm] = {}
         self.rejected: dict[tuple, tuple[Algorithm, float]] = {}
         """The searched configurations that disagreed with algorithm 0, and by how much."""
+        self.failed: dict[tuple, str] = {}
+        """The shapes whose search raised, and the error's first line."""
 
     def choose(
         self,
@@ -147,9 +150,33 @@ class AlgorithmCache:
         if key not in self.chosen:
             if capturing(packed.device):
                 return DEFAULT
-            found = self.search(packed, dense, bias, transpose_result)
-            self.chosen[key] = self._checked(found, key, packed, dense, bias)
+            self.chosen[key] = self._searched(key, packed, dense, bias)
         return self.chosen[key]
+
+    def _searched(
+        self, key: tuple, packed: Tensor, dense: Tensor, bias: Tensor | None
+    ) -> Algorithm:
+        """The searched algorithm, checked; algorithm 0 where the search itself raised (it
+        times many candidates, with workspaces of their own), with one warning per process.
+        A CUDA error is raised: it leaves the process unusable."""
+        try:
+            found = self.search(packed, dense, bias, key[4])
+        except torch.AcceleratorError:
+            raise
+        except RuntimeError as err:
+            if not self.failed:
+                tokens, out_features, in_features, dtype = key[:4]
+                warnings.warn(
+                    f"cuSPARSELt's search raised {type(err).__name__} for a "
+                    f"{out_features}x{in_features} {str(dtype).removeprefix('torch.')} weight "
+                    f"at up to {tokens} tokens ({first_line(err)}); such shapes run "
+                    f"algorithm 0 (correct, maybe slower), and the fit-start table names them",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            self.failed[key] = first_line(err)
+            return DEFAULT
+        return self._checked(found, key, packed, dense, bias)
 
     def _checked(
         self,
@@ -184,18 +211,20 @@ class AlgorithmCache:
         return DEFAULT
 
     def describe(self, out_features: int, in_features: int) -> str:
-        """The algorithms chosen so far for a layer shape, e.g. ``"alg 17"``, or
-        ``"alg 0 (the searched alg 5, split-k 2 disagreed)"``."""
+        """The algorithms chosen so far for a layer shape, e.g. ``"alg 17"``,
+        ``"alg 0 (the searched alg 5, split-k 2 disagreed)"`` or ``"alg 0 (the search
+        raised)"``."""
         found = set()
         for key, algorithm in self.chosen.items():
             if key[1:3] != (out_features, in_features):
                 continue
             rejected = self.rejected.get(key)
-            found.add(
-                f"{algorithm} (the searched {rejected[0]} disagreed)"
-                if rejected
-                else str(algorithm)
-            )
+            if rejected:
+                found.add(f"{algorithm} (the searched {rejected[0]} disagreed)")
+            elif key in self.failed:
+                found.add(f"{algorithm} (the search raised)")
+            else:
+                found.add(str(algorithm))
         return ", ".join(sorted(found))
 
 

@@ -115,7 +115,7 @@ def register_kernel(
 def check_kernel(name: str, dtype: torch.dtype, device: torch.device) -> KernelVerdict:
     """Run kernel ``name`` once on ``device`` in ``dtype`` and compare it with dense math
     (cached: later calls return the first verdict). A failure warns once."""
-    key = (name, dtype, _normalized(device))
+    key = (name, dtype, normalized_device(device))
     if key not in _VERDICTS:
         _RUNNING.add(key)
         try:
@@ -136,7 +136,7 @@ def check_kernel(name: str, dtype: torch.dtype, device: torch.device) -> KernelV
 def require_kernel(name: str, dtype: torch.dtype, device: torch.device) -> None:
     """Raise :class:`KernelCheckError` unless kernel ``name`` passed the check on ``device``
     in ``dtype`` (running it first if needed). Called by the code that runs the kernel."""
-    key = (name, dtype, _normalized(device))
+    key = (name, dtype, normalized_device(device))
     if key in _RUNNING:  # the check itself is running the kernel
         return
     verdict = _VERDICTS.get(key)
@@ -179,7 +179,9 @@ def plain_autograd(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _normalized(device: torch.device) -> torch.device:
+def normalized_device(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` is ``cuda:N`` of the current device), so that
+    caches keyed on a device hold one entry per GPU, however the device was written."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -238,7 +240,7 @@ def _run_check(
                 name,
                 False,
                 None,
-                f"{where} raised {type(err).__name__} in the kernel check ({_first_line(err)})",
+                f"{where} raised {type(err).__name__} in the kernel check ({first_line(err)})",
             )
     error = max(
         relative_error(g.detach().cpu(), r)
@@ -270,13 +272,14 @@ def _interrupted(err: Exception, where: str) -> Exception:
         else "a CUDA error leaves the process unusable: restart it"
     )
     return type(err)(
-        f"{type(err).__name__} in the kernel check of {where} ({_first_line(err)}): this "
+        f"{type(err).__name__} in the kernel check of {where} ({first_line(err)}): this "
         f"says nothing about the kernel, so no verdict is kept; {fix}"
     )
 
 
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of ``err``'s message, at most ``limit`` characters, for one-line reasons."""
+    return (str(err).strip().splitlines() or [""])[0][:limit]
 
 
 def _outputs(

@@ -38,6 +38,7 @@ from lightning_sparse.backends.cuda_graphs import (
 )
 from lightning_sparse.backends.cusparselt_algorithms import ALGORITHMS
 from lightning_sparse.backends.kernel_check import (
+    first_line,
     known_values,
     plain_autograd,
     relative_error,
@@ -171,8 +172,11 @@ def _as_timed(
     try:
         return cuda_graphed(dense), cuda_graphed(sparse), "as CUDA graphs"
     except RuntimeError as err:
-        first_line = (str(err).strip().splitlines() or [""])[0][:120]
-        return dense, sparse, f"eager: CUDA graph capture failed ({first_line})"
+        return (
+            dense,
+            sparse,
+            f"eager: CUDA graph capture failed ({first_line(err, 120)})",
+        )
 
 
 def _seconds(step: Callable[[], object], device: torch.device) -> float:

@@ -12,8 +12,9 @@ The same YAML recipes as any LightningCLI script (``model``, ``data``, ``trainer
 ``--init_from`` (or ``init_from:`` in a config) loads a model's weights before ``fit`` or
 ``validate`` (a Lightning checkpoint, its masks folded in, or a :func:`~lightning_sparse.save_compressed`
 file), without any trainer state: the step counter, optimizer and schedule start afresh, which
-is how a trained model is pruned and fine-tuned. With ``--ckpt_path`` as well, the checkpoint
-is resumed and its weights win. ``--export_to`` (``fit`` only) writes the trained model's
+is how a trained model is pruned and fine-tuned; ``init_from_command`` (a recipe's) is the
+command that writes that file, which a missing file's error gives. With ``--ckpt_path`` as well,
+the checkpoint is resumed and its weights win. ``--export_to`` (``fit`` only) writes the trained model's
 compressed safetensors file (:func:`~lightning_sparse.save_compressed`) when ``fit`` ends.
 ``fit`` ends with the task metrics (the ``val*`` entries of ``trainer.callback_metrics``) and
 the wall time, after each ``SparsityCallback``'s summary (phases with their step ranges, final
@@ -44,25 +45,30 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_sparse.backends.gpus import parse_gpu
 from lightning_sparse.callback import check_distinct_names
+from lightning_sparse.cli.config_errors import explain_parse_error
 from lightning_sparse.cli.plan import SchedulePlan, format_plan, plan_schedule
 from lightning_sparse.cli.plot import PLOT_HINT, plot_schedule
 from lightning_sparse.core.schedule import parse_boundary
 from lightning_sparse.formats.compressed import load_compressed, save_compressed
 from lightning_sparse.formats.export import export_state_dict
 
-OVERLAY_ONLY = (
-    "the config names no model{data}: a sparsity overlay (such as "
-    "recipes/overlays/sparsity_24_70pct.yaml) only adds a SparsityCallback to "
-    "trainer.callbacks, so give a base config first, which names the model, the data and the "
-    "trainer: lightning-sparse {subcommand} --config my_recipe.yaml --config "
-    "recipes/overlays/sparsity_24_70pct.yaml"
+# The command needs jsonargparse (main says so); the module imports without it, so that the
+# tests collect on a GPU machine that has only torch, Lightning and pytest.
+try:
+    from jsonargparse import Namespace
+except ModuleNotFoundError:
+    Namespace = None  # type: ignore[assignment,misc]
+
+NEEDS_JSONARGPARSE = (
+    "lightning-sparse's command line needs jsonargparse, which is not installed: "
+    "pip install 'jsonargparse[signatures]>=4.27' (SparsityCallback in your own script "
+    "does not need it)"
 )
 
 
@@ -112,13 +118,21 @@ class SparseCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """``--init_from`` and ``--export_to`` (see the module docstring)."""
+        """``--init_from``, ``--init_from_command`` and ``--export_to`` (see the module
+        docstring)."""
         parser.add_argument(
             "--init_from",
             type=str | None,
             default=None,
             help="load the model's weights from this Lightning checkpoint (masks folded in) or "
             "compressed .safetensors file before fit/validate; no trainer state is restored",
+        )
+        parser.add_argument(
+            "--init_from_command",
+            type=str | None,
+            default=None,
+            help="the command that writes init_from's file (a recipe that loads one names it); "
+            "the error for a missing file gives it",
         )
         parser.add_argument(
             "--export_to",
@@ -132,7 +146,17 @@ class SparseCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            sys.exit(f"lightning-sparse: {_explain_parse_error(err, args)}")
+            argv = list(sys.argv[1:] if args is None else args)
+            sys.exit(
+                f"lightning-sparse: {explain_parse_error(str(err), argv, self._keys(argv))}"
+            )
+
+    def _keys(self, argv: list[str]) -> list[str]:
+        """The dotted keys the command line's subcommand takes (none before one is named),
+        from the subcommand parsers LightningCLI keeps."""
+        subcommand = next((a for a in argv if a in self.subcommands()), None)
+        parser = getattr(self, "_subcommand_parsers", {}).get(subcommand)
+        return list(parser.get_defaults().keys()) if parser is not None else []
 
     def instantiate_classes(self) -> None:
         """Build the config's objects (for ``plan``: on this CPU, see :meth:`_plan_here`, and
@@ -143,6 +167,9 @@ class SparseCLI(LightningCLI):
             if self.subcommand == "plan":
                 self._instantiate_on_meta()
             else:
+                config = self.config[self.subcommand]
+                # before the data and the model are built, whose own errors would come first
+                check_start(config.get("init_from"), config.get("init_from_command"))
                 super().instantiate_classes()
         except (ValueError, TypeError, FileNotFoundError) as err:
             explain = (
@@ -268,8 +295,9 @@ class SparseCLI(LightningCLI):
     def before_validate(self) -> None:
         if self.config["validate"].get("export_to"):
             raise ValueError(
-                "export_to writes the model that fit trained; validate trains nothing: remove "
-                "it, or export with lightning_sparse.save_compressed(checkpoint, path)"
+                "export_to writes the model that fit trained; validate trains nothing: unset "
+                "it for validate (--export_to=null on the command line), or export a checkpoint "
+                "with lightning_sparse.save_compressed('path/to.ckpt', 'model.safetensors')"
             )
         self._load_initial_weights()
 
@@ -278,7 +306,10 @@ class SparseCLI(LightningCLI):
         path = self.config[self.subcommand].get("init_from")
         if not path:
             return
-        self.model.load_state_dict(initial_weights(path, self.model.state_dict()))
+        command = self.config[self.subcommand].get("init_from_command")
+        self.model.load_state_dict(
+            initial_weights(path, self.model.state_dict(), command)
+        )
         if self.trainer.is_global_zero:
             print(
                 f"Loaded the model's weights from {path} (init_from: no trainer state)"
@@ -304,12 +335,30 @@ class SparseCLI(LightningCLI):
             )
 
 
-def initial_weights(path: str, expected: dict[str, Tensor]) -> dict[str, Tensor]:
+def check_start(path: str | None, command: str | None = None) -> None:
+    """Raise a ``ValueError`` if ``init_from`` names no file: with the ``command`` that writes
+    it (``init_from_command``) where the config names one."""
+    if path and not Path(path).is_file():
+        if command:
+            raise ValueError(
+                f"init_from={path!r}: no such file yet. The config names the command that "
+                f"writes it (init_from_command); run it first, from this directory: "
+                f"{' '.join(command.split())}"
+            )
+        raise ValueError(
+            f"init_from={path!r}: no such file: give the path of a Lightning checkpoint or a "
+            f"compressed .safetensors file of this model (fit --export_to=PATH writes one)"
+        )
+
+
+def initial_weights(
+    path: str, expected: dict[str, Tensor], command: str | None = None
+) -> dict[str, Tensor]:
     """The weights ``init_from`` names: a compressed ``.safetensors`` file, or a Lightning
     checkpoint with its masks folded in; a ``ValueError`` says which keys or shapes do not
-    fit a model whose state dict is ``expected``."""
-    if not Path(path).is_file():
-        raise ValueError(f"init_from={path!r}: no such file")
+    fit a model whose state dict is ``expected``, or, for a missing file, the ``command``
+    that writes it (:func:`check_start`)."""
+    check_start(path, command)
     if path.endswith(".safetensors"):
         state = load_compressed(path)
     else:
@@ -388,21 +437,6 @@ def _root(err: BaseException) -> BaseException:
 def _innermost(err: BaseException) -> str:
     """The message of the error that caused ``err`` (see :func:`_root`)."""
     return str(_root(err))
-
-
-def _explain_parse_error(err: ArgumentError, args: ArgsType) -> str:
-    """A command-line or config error as the user should read it."""
-    message = str(err)
-    missing = message.split("required:")[-1] if "required:" in message else ""
-    subcommand = next(
-        (a for a in (args or sys.argv[1:]) if a in SparseCLI.subcommands()), None
-    )
-    if subcommand and f"{subcommand}.model" in missing:
-        data = " or data" if f"{subcommand}.data" in missing else ""
-        return OVERLAY_ONLY.format(data=data, subcommand=subcommand)
-    return f"{message} (see lightning-sparse {subcommand or ''} --help)".replace(
-        "  ", " "
-    )
 
 
 def _plan_error(err: BaseException, epoch_boundaries: bool = False) -> str:
@@ -505,6 +539,8 @@ def fit_summary(trainer: pl.Trainer, seconds: float) -> str:
 
 def main(args: ArgsType = None) -> None:
     """The ``lightning-sparse`` command (``args``: the command line, default ``sys.argv``)."""
+    if Namespace is None:
+        sys.exit(NEEDS_JSONARGPARSE)
     SparseCLI(args=args)
 
 

@@ -34,9 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -201,6 +202,30 @@ def _for_this_machine(trainer: pl.Trainer, model: nn.Module) -> nn.Module:
     return model
 
 
+def _configure(model: nn.Module) -> None:
+    """Run the model's ``configure_model`` hook, as fit does before its callbacks start
+    (Lightning asks the hook to be idempotent): a model it compiles with CUDA graphs is timed
+    by ``verify_speed`` as CUDA graphs, and layers it creates are planned too (on the meta
+    device, for a model built there)."""
+    configure = getattr(model, "configure_model", None)
+    if not callable(configure):
+        return
+    on_meta = any(p.is_meta for p in model.parameters())
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        configure()
+
+
+def _eagerly(forward: Callable[[], object]) -> Callable[[], object]:
+    """``forward`` with ``torch.compile`` set aside: a plan records which layers a forward calls,
+    and a model that ``configure_model`` compiled would compile now (on meta tensors)."""
+
+    def run() -> object:
+        with torch.compiler.set_stance("force_eager"):
+            return forward()
+
+    return run
+
+
 def _phase_sparsity(
     algo: SparsityAlgorithm | None,
     phase: ResolvedPhase,
@@ -242,8 +267,14 @@ def _plan_group(
     flops: dict[str, int],
     gpu: GpuTarget | None,
 ) -> GroupPlan:
+    forward = example_forward(model)
     sparsifier, selection = callback.build(
-        model, run, compute_dtype, others, gpu, example_forward=example_forward(model)
+        model,
+        run,
+        compute_dtype,
+        others,
+        gpu,
+        example_forward=forward and _eagerly(forward),
     )
     weights = {t.name: t.param.detach() for t in sparsifier.targets}
     end: dict[str, list[float]] = {name: [] for name in weights}
@@ -275,7 +306,9 @@ def plan_schedule(
     sharded: bool | None = None,
 ) -> SchedulePlan:
     """Build every ``SparsityCallback`` of ``trainer`` for ``model`` as fit start would, without
-    training or applying masks (see the module docstring).
+    training or applying masks (see the module docstring): after the model's
+    ``configure_model``, as in fit, so that a model it compiles with CUDA graphs is planned to
+    be timed as CUDA graphs by ``verify_speed``.
 
     With ``gpu``, each layer's backend is the one ``fit`` would choose on that GPU (same rules,
     :func:`~lightning_sparse.backends.capability.semi_structured_kernel`): a prediction of
@@ -297,6 +330,7 @@ def plan_schedule(
         )
     epochs = any(counts_epochs(cb.phases) for cb in callbacks)
     run, how = run_length(trainer, datamodule, world_size, epochs)
+    _configure(model)
     model = _for_this_machine(trainer, model)
     flops = linear_flops_per_token(model)
     precision = precision or str(trainer.precision)

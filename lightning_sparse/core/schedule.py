@@ -18,6 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from lightning_sparse.core.closest import closest
 from lightning_sparse.masks import NM, Sparsity, describe
 
 _NM_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -375,8 +376,12 @@ class Phase:
         known = {f.name for f in fields(cls)}
         unknown = sorted(map(str, set(value) - known))
         if unknown:
+            meant = [
+                f"{m[0]!r} for {key!r}" for key in unknown if (m := closest(key, known))
+            ]
+            hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
             raise ValueError(
-                f"{where}: unknown key(s) {unknown}; a phase accepts {sorted(known)} "
+                f"{where}: unknown key(s) {unknown}{hint}; a phase accepts {sorted(known)} "
                 f"(options of a custom algorithm go under 'options')"
             )
         try:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_sparse.core.closest import closest
 from lightning_sparse.core.head import EMBEDDING_TYPES, Calls, find_heads, is_layer
 from lightning_sparse.core.layers import (
     LAYER_TYPES,
@@ -305,8 +306,8 @@ def select_parameters(
                 )
             raise ValueError(
                 f"{kind} pattern {pattern.text!r} matches no parameter of {type(model).__name__}; "
-                f"parameter names look like {[n for n, _ in named[:3]]} (globs may match a "
-                f"dotted suffix; prefix a regex with 're:')"
+                f"the closest names are {closest(pattern.text, (n for n, _ in named), 3, 0.0)} "
+                f"(globs may match a dotted suffix; prefix a regex with 're:')"
             )
         if kind == "params" and not any(t.name in matched for t in targets):
             why = {n: excluded[n] for n in matched[:5]}

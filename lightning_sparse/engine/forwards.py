@@ -56,8 +56,7 @@ from lightning_sparse.core.layers import LayerType
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import ParamTarget, read_elsewhere
 from lightning_sparse.engine.feasibility import check_phase
-from lightning_sparse.engine.ranks import world_size
-from lightning_sparse.engine.sharding import is_sharded
+from lightning_sparse.engine.ranks import collective_device, raise_together, world_size
 
 
 class LayerForwards:
@@ -109,11 +108,51 @@ class LayerForwards:
         speedup = self.speed_check if gpu is None else None
         self.choices: dict[tuple[int, str], BackendChoice] = {}
         for phase in phases:
+            if phase.index in algorithms:
+                check_phase(phase, algorithms[phase.index], targets)
+        failure = None
+        try:
+            self._choose(targets, phases, algorithms, compute_dtype, speedup, gpu)
+        except Exception as err:  # noqa: BLE001 (every rank hears of it: raise_together)
+            failure = err
+        if backend == "masked" or gpu is not None or world_size() == 1:
+            if failure is not None:
+                raise failure
+        else:
+            # each rank checked its own GPU (and with verify_speed timed it): an error on one
+            # is raised on all, and they agree on one backend per layer (under FSDP2 they run
+            # each layer's gathered weight alike)
+            raise_together(
+                failure,
+                f"[{name}] choosing each layer's backend (the kernel check, verify_speed)",
+            )
+            agree_across_ranks(self.choices)
+        if backend == "semi_structured":
+            require_semi_structured(
+                [
+                    (f"phase {index + 1} {param}", choice.reason)
+                    for (index, param), choice in self.choices.items()
+                    if choice.name != "semi_structured"
+                ]
+            )
+        self._unverified = False  # forwards installed, not yet seen to run
+
+    def _choose(
+        self,
+        targets: Sequence[ParamTarget],
+        phases: Sequence[ResolvedPhase],
+        algorithms: Mapping[int, SparsityAlgorithm],
+        compute_dtype: torch.dtype | None,
+        speedup: SpeedCheck | None,
+        gpu: GpuTarget | None,
+    ) -> None:
+        """Choose the backend of every (sparse phase, target) pair into :attr:`choices`: run
+        the kernel checks and, with ``speedup``, time each shape (timed as the phase runs: a
+        mask projected per forward, or a stored one)."""
+        for phase in phases:
             if phase.index not in algorithms:
                 continue
             algo = algorithms[phase.index]
-            check_phase(phase, algo, targets)
-            # timed as the phase runs: a mask projected per forward, or a stored one
             measure = (
                 None
                 if speedup is None
@@ -124,7 +163,7 @@ class LayerForwards:
                     BackendChoice("masked", LEARNED_ON_MASKED)
                     if algo.learns
                     else choose_backend(
-                        backend,
+                        self.backend,
                         phase.target,
                         t.param,
                         t.owners,
@@ -137,19 +176,6 @@ class LayerForwards:
                     # a kernel forward would never run; the stored zeros are read
                     choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
                 self.choices[phase.index, t.name] = choice
-        # every rank checks its own GPU (and with verify_speed times it): under FSDP2 the
-        # ranks run each layer's gathered weight alike, so they agree on one backend
-        if speedup is not None or any(is_sharded(t.param) for t in targets):
-            agree_across_ranks(self.choices)
-        if backend == "semi_structured":
-            require_semi_structured(
-                [
-                    (f"phase {index + 1} {param}", choice.reason)
-                    for (index, param), choice in self.choices.items()
-                    if choice.name != "semi_structured"
-                ]
-            )
-        self._unverified = False  # forwards installed, not yet seen to run
 
     def install_all(
         self,
@@ -329,21 +355,16 @@ def agree_across_ranks(choices: dict[tuple[int, str], BackendChoice]) -> None:
     """In a distributed run, keep a layer on its 2:4 kernel only where every rank chose it:
     ``verify_speed``'s timings differ a little from rank to rank, each rank's kernel check
     ran on its own GPU, and one rank finding a shape slower (or its kernel wrong) must not
-    leave the ranks running different kernels. Called with ``verify_speed``, and for
-    FSDP2-sharded parameters. A collective: in a distributed run every rank must call it,
+    leave the ranks running different kernels. Called in every distributed run whose backend
+    may run a kernel. A collective: in a distributed run every rank must call it,
     with the same keys (the callback builds the same engine on every rank at fit start)."""
     if world_size() == 1:
         return
     keys = sorted(choices)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
     kept = torch.tensor(
         [choices[key].name == "semi_structured" for key in keys],
         dtype=torch.int32,
-        device=device,
+        device=collective_device(),
     )
     dist.all_reduce(kept, op=dist.ReduceOp.MIN)
     for key, agreed in zip(keys, kept.tolist()):

@@ -277,7 +277,7 @@ def restored_masks(
         mask = masks[t.name] = mask.to(
             device=t.param.device
         )  # checked where it is fastest
-        broken = _broken_pattern(
+        broken = broken_pattern(
             t, mask, phases[index], algorithms[index], index in handed
         )
         if broken is not None:
@@ -289,7 +289,7 @@ def restored_masks(
     return masks
 
 
-def _broken_pattern(
+def broken_pattern(
     t: ParamTarget,
     mask: Tensor,
     phase: ResolvedPhase,

@@ -26,7 +26,7 @@ Example (plain PyTorch):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,12 @@ from lightning_sparse.engine.learning import (
     summarize,
 )
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
-from lightning_sparse.engine.resume import pack_state, plan_restore, schedule_record
+from lightning_sparse.engine.resume import (
+    broken_pattern,
+    pack_state,
+    plan_restore,
+    schedule_record,
+)
 from lightning_sparse.engine.sharding import gather_full, shard_like
 from lightning_sparse.masks import name_seed, sparsity_fraction
 from lightning_sparse.masks.elementwise import (
@@ -76,6 +81,7 @@ from lightning_sparse.masks.elementwise import (
     free_scratch,
     multiply_by_mask_,
 )
+from lightning_sparse.masks.patterns import not_a_mask
 
 
 @dataclass
@@ -166,6 +172,7 @@ class Sparsifier:
         )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
+        self._mask_versions: dict[str, int] = {}  # each stored mask's, as last written here
         self.last_update_step = -1
         self.history: list[
             tuple[int, int | None]
@@ -179,7 +186,7 @@ class Sparsifier:
         }
         #: per learned phase that ended (or was saved), each layer's statistics then
         self.learned_reports: LearnedReports = {}
-        self._learned_step = -1  # the last optimizer step the logits took
+        self._learned_step = -1  # the step whose forwards the logits last learned from
 
     @property
     def backends(self) -> dict[tuple[int, str], BackendChoice]:
@@ -210,7 +217,10 @@ class Sparsifier:
     def on_step_start(
         self, step: int, optimizers: Sequence[torch.optim.Optimizer]
     ) -> PhaseChange | None:
-        """Call before the first forward of optimizer step ``step``; enters a new phase if due."""
+        """Call before the first forward of optimizer step ``step``; enters a new phase if due.
+        Raises ``RuntimeError`` if a stored mask was changed in place since it was written
+        (use :meth:`set_masks`)."""
+        self._refuse_masks_edited_in_place()
         new = phase_at(self.phases, step)
         if _index(new) == _index(self.current) and self.history:
             if isinstance(self.algorithm, Learned):
@@ -303,6 +313,7 @@ class Sparsifier:
             self.algorithm.release()
         self.forwards.uninstall(self.targets)
         self.masks = {}
+        self._mask_versions = {}
         free_scratch()
         self._grad_lists.clear()
         self.current = None
@@ -339,6 +350,7 @@ class Sparsifier:
                     zero_optimizer_state(optimizers, t.param, ~mask)
         self.forwards.install_all(self.current.index, self.targets, algo, masks)
         self._grad_lists.clear()
+        self._written()
 
     @torch.no_grad()
     def _apply_change(
@@ -378,6 +390,93 @@ class Sparsifier:
             mask = _stored(target, algo.most_likely(target.name))
             return shard_like(mask, target.param.detach())
         return self.masks[target.name]
+
+    def set_masks(
+        self,
+        masks: Mapping[str, Tensor],
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> None:
+        """Replace the stored masks of some of the group's parameters in the current phase, by
+        parameter name: whole-tensor bool masks of the parameters' shapes that keep the
+        phase's pattern (its N:M groups; transposable 4x4 tiles where its algorithm lays 2:4
+        out so). They take effect as a mask update's do: with a hard mask the pruned weights
+        become zeros and so does their state in ``optimizers``; the next forward uses them,
+        eagerly or in a compiled graph (a 2:4 kernel's packing of the mask is refreshed in
+        place, where the graph reads it). A ``ValueError`` names what does not fit, before
+        anything changes. A collective for sharded parameters: call it on every rank.
+
+        Example:
+            >>> from lightning_sparse.core.schedule import Phase, resolve_phases
+            >>> from lightning_sparse.core.selection import select_parameters
+            >>> net = nn.Linear(4, 2, bias=False)
+            >>> phases = resolve_phases([Phase(sparsity=0.5)], total_steps=4)
+            >>> sp = Sparsifier("demo", select_parameters(net, params=["weight"]).targets, phases)
+            >>> _ = sp.on_step_start(0, [])
+            >>> sp.set_masks({"weight": torch.tensor([[True, False] * 2, [False, True] * 2])})
+            >>> sp.masks["weight"].int().tolist(), bool((net.weight[~sp.masks["weight"]] == 0).all())
+            ([[1, 0, 1, 0], [0, 1, 0, 1]], True)
+        """
+        whole = self._checked_masks(masks)
+        for t in self.targets:
+            whole.setdefault(t.name, gather_full(self.masks[t.name]))
+        self._apply(whole, optimizers)
+
+    def _checked_masks(self, masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``masks`` by name, on their parameters' devices, or a ``ValueError`` that says
+        which one does not fit this group's current phase and why."""
+        algo, phase = self.algorithm, self.current
+        where = f"[{self.name}] set_masks"
+        if algo is None or phase is None:
+            raise ValueError(f"{where}: the current phase is dense, so it has no masks to set")
+        if algo.projects or algo.learns:
+            raise ValueError(
+                f"{where}: phase {phase.index + 1} ({phase.spec.describe()}) does not store "
+                f"masks: its algorithm {algo.name!r} derives them at every forward; set masks "
+                f"in a phase with stored masks (static, magnitude, gmp, set, rigl)"
+            )
+        targets = {t.name: t for t in self.targets}
+        checked = {}
+        for name, mask in masks.items():
+            t = targets.get(name)
+            if t is None:
+                raise ValueError(
+                    f"{where}: {name!r} is not a parameter of this group; it has "
+                    f"{sorted(targets)[:5]}"
+                )
+            problem = not_a_mask(mask)
+            if problem is None and tuple(mask.shape) != tuple(t.param.shape):
+                problem = f"of shape {tuple(mask.shape)}, not {tuple(t.param.shape)}"
+            if problem is None:
+                mask = mask.to(t.param.device)
+                handed = phase.index in self.handed
+                broken = broken_pattern(t, mask, phase, algo, handed)
+                problem = None if broken is None else f"not {broken}"
+            if problem is not None:
+                raise ValueError(
+                    f"{where}: the mask for {name!r} is {problem}, which phase "
+                    f"{phase.index + 1} ({phase.spec.describe()}) needs"
+                )
+            checked[name] = mask
+        return checked
+
+    def _written(self) -> None:
+        """Record the stored masks' versions: they were written here."""
+        self._mask_versions = {name: mask._version for name, mask in self.masks.items()}
+
+    def _refuse_masks_edited_in_place(self) -> None:
+        edited = [
+            name
+            for name, mask in self.masks.items()
+            if mask._version != self._mask_versions.get(name)
+        ]
+        if edited:
+            raise RuntimeError(
+                f"[{self.name}] the stored masks of {edited[:5]} were changed in place, which "
+                f"the installed forwards (a compiled graph, a 2:4 kernel's packing of the mask), "
+                f"the pruned weights and their optimizer state do not follow; give new masks to "
+                f"Sparsifier.set_masks({{name: mask}}, optimizers) instead (with the callback: "
+                f"callback.sparsifier.set_masks)"
+            )
 
     def before_optimizer_step(
         self,
@@ -452,6 +551,7 @@ class Sparsifier:
         for t in self.targets:
             self.forwards.install(self.current.index, t, algo, stored[t.name])
         self._grad_lists.clear()
+        self._written()
         self.last_update_step = step
         return True
 
@@ -460,15 +560,16 @@ class Sparsifier:
     ) -> None:
         """A learned phase's work before ``optimizer`` steps: with ``train_weights: false``
         the selected weights it updates lose their gradients (so it leaves them, and their
-        state, as they are); once per optimizer step, the logits' gradients are averaged over
-        the ranks and the logits take their step (skipped, and logged, if a gradient is not
-        finite, as a GradScaler skips the run's step)."""
+        state, as they are); once per training step (the first optimizer step of its forwards,
+        however many optimizers follow), the logits' gradients are averaged over the ranks
+        and the logits take their step (skipped, and logged, if a gradient is not finite, as
+        a GradScaler skips the run's step)."""
         if algo.train_weights is False:
             for t in owned_by(self.targets, optimizer):
                 t.param.grad = None
-        if step == self._learned_step:
+        if algo.step == self._learned_step:
             return
-        self._learned_step = step
+        self._learned_step = algo.step
         params = list(algo.parameters())
         average_over_ranks(params)
         if not all_finite([p.grad for p in params if p.grad is not None]):

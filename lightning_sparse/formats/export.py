@@ -244,6 +244,12 @@ def export_state_dict(
         called = f"export_state_dict({type(source).__name__})"
         source = _trainer_of(source)
     if isinstance(source, pl.Trainer):
+        if source.lightning_module is None:
+            raise ValueError(
+                f"{called}: the trainer holds no model yet, so there are no weights or masks "
+                f"to export: call it after trainer.fit(model, ...), or pass a checkpoint that "
+                f"a fit with SparsityCallback wrote (export_state_dict('path/to.ckpt'))"
+            )
         _check_fitted_here(source, called)
         # found by state key, as in a checkpoint: export sits below the callback
         states = {cb.state_key: cb.state_dict() for cb in source.callbacks}
