@@ -1,7 +1,8 @@
 """Modules whose optional dependency is not installed are not collected: the doctests of
-modules that need an extra (so the suite runs without the ``hf`` and ``cpu`` extras), and the
-test modules that need ``hypothesis`` (so that ``pytest -m gpu`` collects on a GPU machine
-that has only torch, Lightning and pytest). The run's header says what was left out."""
+modules that need an extra or Triton (so the suite runs without the ``hf`` and ``cpu`` extras,
+and on the CPU torch build), and the test modules that need ``hypothesis`` (so that
+``pytest -m gpu`` collects on a GPU machine that has only torch, Lightning and pytest). The
+run's header says what was left out."""
 
 from importlib import metadata
 from pathlib import Path
@@ -10,6 +11,7 @@ ROOT = Path(__file__).parent
 OPTIONAL = {
     "lightning_sparse/demo/hf.py": "transformers",
     "lightning_sparse/kernels/loops.py": "numba",
+    "lightning_sparse/backends/triton_sparse24.py": "triton",
 }
 OPTIONAL.update(
     {

@@ -39,7 +39,7 @@ class Stage:
 
 # -- the kernel check -----------------------------------------------------------------------------
 def kernel_checks(args: argparse.Namespace, deadline: float) -> Stage:
-    from lightning_sparse.backends.cusparselt import packer_matches
+    from lightning_sparse.backends.cusparselt import packer
     from lightning_sparse.backends.kernel_check import check_kernel
     from lightning_sparse.backends.semi_structured import INFERENCE
 
@@ -52,13 +52,9 @@ def kernel_checks(args: argparse.Namespace, deadline: float) -> Stage:
     lines = [kernel_check_table()]
     if device.type == "cuda" and "cusparselt" in kernels:
         packers = [
-            [
-                str(d).removeprefix("torch."),
-                "yes" if packer_matches(d, device) else "no",
-            ]
-            for d in dtypes
+            [str(d).removeprefix("torch."), packer(d, device).note()] for d in dtypes
         ]
-        header = ["dtype", "lightning_sparse packer = torch._cslt_compress bytes"]
+        header = ["dtype", "cuSPARSELt packer (compared with torch._cslt_compress)"]
         lines += ["", markdown_table(header, packers)]
     failed = [v.reason for v in verdicts if not v.passed]
     stage = Stage(

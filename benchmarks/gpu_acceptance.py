@@ -8,7 +8,8 @@
 
 1. environment: Python, torch (CUDA, cuSPARSELt), Lightning, timm; the GPU; the checkout;
 2. kernel check: each 2:4 kernel's check in bf16 and fp16 (verdict, error, versions), and
-   whether our cuSPARSELt packer matches ``torch._cslt_compress`` (bytes and products);
+   which cuSPARSELt packer runs (the Triton kernels, our torch ops or ``torch._cslt_compress``,
+   each compared with ``torch._cslt_compress``'s bytes and products) and why;
 3. GPU tests: ``pytest -m "gpu and not compiles"`` over the test files that hold GPU-marked
    tests, every test listed with its outcome (passed, failed, skipped, not run);
 4. ``verify_speed``: what ``SparsityCallback(backend="auto")`` decides for the ViT-L and ViT-B
@@ -27,8 +28,9 @@
 
 1. environment;
 2. target layers: ``benchmarks/sparse_linear.py``: the masked runtime mask step, packing ``W``
-   and ``W.T`` by each packer, and the runtime 2:4 linear (searched algorithm) against dense,
-   eager and compiled, at the two target shapes;
+   and ``W.T`` by each packer, each packing job by each method against its memory bound, and
+   the runtime 2:4 linear (searched algorithm, with and without the Triton kernels) against
+   dense, eager and compiled, at the two target shapes;
 3. target steps: ``benchmarks/train_steps.py``: the LLM block stack's compiled training step,
    dense against 2:4 MLPs;
 4. more layers: every ``sparse_linear.py`` shape and variant, eager;
@@ -39,6 +41,9 @@ this run's numbers, or "not run":
 
 - packing W and W.T (the packer in use, as a CUDA graph): at most 0.1 ms at 4096x1024 and
   0.6 ms at 11008x4096;
+- the greedy mask and W and W.T packed by the Triton kernels in one pass (as a CUDA graph) at
+  11008x4096: at most 0.1 ms, and at most 2.5x its memory-bound time (the bytes it must move
+  at the bandwidth of a copy kernel measured in the same run);
 - the runtime 2:4 MLP linear, forward + backward compiled (searched algorithm): at least 1.2x
   dense at 16384x4096->11008 and 1.0x at 32896x1024->4096;
 - the LLM block stack's training step, compiled: at least 1.1x dense;
@@ -89,7 +94,7 @@ sys.path.insert(0, str(ROOT))  # this checkout, not an install
 from acceptance_stages import Stage, kernel_checks, training, verify_speed
 from common import cuda_problem, markdown_table
 from pytest_outcomes import LOG, outcomes
-from sparse_linear import COMPILED
+from sparse_linear import COMPILED, STORED, TRITON_MASK_AND_PACK
 from train_steps import WORKLOADS
 
 BUDGET = 200.0
@@ -485,25 +490,37 @@ def first(records: list[dict], key: str, **match: object) -> float | None:
 
 
 def packing(weight: str) -> Callable[[list[dict]], float | None]:
+    """Packing ``W`` and ``W.T`` of ``weight`` by the packer in use (the Triton kernels: at a
+    stored mask, their packing alone), as a CUDA graph where it was captured."""
+
     def find(records: list[dict]) -> float | None:
-        match = {
-            "table": "packing",
-            "weight": weight,
-            "in_use": True,
-            "what": "W and W.T",
-        }
-        return first(records, "graphed_ms", **match) or first(
-            records, "eager_ms", **match
-        )
+        for match in (
+            {"table": "packing", "what": "W and W.T"},
+            {"table": "fused", "job": STORED.name},
+        ):
+            match.update(weight=weight, in_use=True)
+            found = first(records, "graphed_ms", **match) or first(
+                records, "eager_ms", **match
+            )
+            if found is not None:
+                return found
+        return None
 
     return find
+
+
+def triton_mask_and_pack(key: str) -> Callable[[list[dict]], float | None]:
+    """``key`` of the Triton kernels' mask + ``W`` and ``W.T`` packing at 11008x4096."""
+    return lambda records: first(
+        records, key, table="fused", weight="11008x4096", method=TRITON_MASK_AND_PACK
+    )
 
 
 def compiled_linear(tokens: int, fan_in: int, fan_out: int) -> Callable:
     return lambda records: first(
         records, "ratio", table="layers", tokens=tokens, in_features=fan_in,
         out_features=fan_out, kernel="cusparselt", algorithm="searched", mode="compiled",
-        stored=False,
+        stored=False, fused=True,
     )  # fmt: skip
 
 
@@ -522,6 +539,10 @@ TARGETS = [
            packing("4096x1024")),
     Target("packing W and W.T, 11008x4096 (packer in use, CUDA graph)", 0.6, True, "ms",
            packing("11008x4096")),
+    Target("mask + packing W and W.T, 11008x4096 (Triton kernels, one pass, CUDA graph)",
+           0.1, True, "ms", triton_mask_and_pack("graphed_ms")),
+    Target("the same, as a multiple of its memory-bound time (copy bandwidth, this run)",
+           2.5, True, "x", triton_mask_and_pack("times_limit")),
     Target("runtime 2:4 linear fwd+bwd compiled, 16384x4096 -> 11008", 1.2, False, "x",
            compiled_linear(16384, 4096, 11008)),
     Target("runtime 2:4 linear fwd+bwd compiled, 32896x1024 -> 4096", 1.0, False, "x",

@@ -1,6 +1,6 @@
-"""Benchmark: the 2:4 linear layer against dense on a GPU (bf16, CUDA sm80+), in three stages.
+"""Benchmark: the 2:4 linear layer against dense on a GPU (bf16, CUDA sm80+), in four stages.
 
-    PYTHONPATH=. python benchmarks/sparse_linear.py [--stages mask packing layers]
+    PYTHONPATH=. python benchmarks/sparse_linear.py [--stages mask packing fused layers]
         [--shapes ViT-L Llama] [--variants dense searched] [--compiled all]
         [--repeats 10] [--json out.json]
     PYTHONPATH=. python benchmarks/sparse_linear.py --cpu-smoke   # checks the script on the CPU
@@ -16,14 +16,23 @@
   by our packer at a stored mask (values gathered at positions packed at the last mask update,
   ``cusparselt.mask_packing``) and by ``torch._cslt_compress``, at the same shapes; eager and
   as a CUDA graph (how it runs inside a compiled step); which of them training uses here.
+- ``fused``: a training step's whole packing job at 4096x1024, 1024x4096 (the ViT-L MLP) and
+  11008x4096: the greedy mask and ``W`` and ``W.T`` packed (runtime masks), and ``W`` and
+  ``W.T`` packed at a stored mask, by the Triton kernels (one pass; timed only where they
+  passed their comparison with ``torch._cslt_compress`` in this process), by the torch ops
+  (the tile kernel's mask, our packer) and with ``torch._cslt_compress``, and the tile
+  kernel's mask alone; eager and as a CUDA graph, each as a multiple of its job's
+  memory-bound time (bytes it must read and write at the bandwidth of a copy kernel measured
+  in the same run).
 - ``layers``: forward + backward (input, weight and bias gradients) of bf16 ``nn.Linear``
   layers at ViT-L MLP shapes (13008 and 32896 tokens), ViT-B (25216 tokens = 128 x 197),
   GPT-2 small (8192 tokens) and Llama-7B MLP up/down (16384 tokens): dense; the runtime 2:4
   layer (pruned and packed at every step, ``install_semi_structured_forward``) on cuSPARSELt
   with algorithm 0 and with the algorithm cuSPARSELt's search picks (CUTLASS too on sm8x); the
   2:4 layer with a stored mask (``static``/``magnitude`` phases: packed ahead, values gathered
-  per step); the masked runtime 2:4 layer (dense math on the greedy 2:4 weight, the projection
-  a runtime phase installs). Each eagerly, and compiled
+  per step); the runtime 2:4 layer with our torch-ops packer where the Triton kernels would
+  pack (the same layer without them); the masked runtime 2:4 layer (dense math on the greedy
+  2:4 weight, the projection a runtime phase installs). Each eagerly, and compiled
   with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) for the ``--compiled`` shapes
   (by default the two of the acceptance targets: each compiled variant costs a compilation).
 
@@ -68,9 +77,13 @@ from common import (
 from lightning_sparse.algorithms import build_algorithm
 from lightning_sparse.backends import capability, cusparselt
 from lightning_sparse.backends.cuda_graphs import cuda_graphed
-from lightning_sparse.backends.cusparselt import mask_packing
+from lightning_sparse.backends.cusparselt import fused_kernels, mask_packing, packer
 from lightning_sparse.backends.cusparselt_algorithms import DEFAULT, AlgorithmCache
-from lightning_sparse.backends.cusparselt_packer import compress
+from lightning_sparse.backends.cusparselt_packer import (
+    compress,
+    packing,
+    positive_zeros,
+)
 from lightning_sparse.backends.masked import (
     install_masked_forward,
     project_eagerly,
@@ -85,7 +98,7 @@ from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.engine.forwards import Projection
 from lightning_sparse.masks.tiles import greedy_2to4_mask, transposable_2to4_mask
 
-STAGES = ("mask", "packing", "layers")
+STAGES = ("mask", "packing", "fused", "layers")
 # (label, tokens, in_features, out_features)
 LINEARS = [
     ("ViT-L MLP fc1", 13008, 1024, 4096),
@@ -105,7 +118,14 @@ COMPILED = [
     "32896x1024 -> 4096",
 ]  # the acceptance targets' shapes
 WEIGHTS = [(4096, 1024), (11008, 4096)]  # (out, in): ViT-L fc1, Llama-7B down
+FUSED_WEIGHTS = [
+    (4096, 1024),
+    (1024, 4096),
+    (11008, 4096),
+]  # ViT-L fc1 and fc2, Llama-7B down
 SMOKE_WEIGHTS = [(256, 128)]
+TRITON_MASK_AND_PACK = "Triton: mask + W, W.T, one pass"
+"""The fused stage's row of the Triton kernels on a runtime mask (a GPU acceptance target)."""
 ALGORITHM_0 = AlgorithmCache(search=lambda *args: DEFAULT)
 
 
@@ -118,6 +138,8 @@ class Variant:
     install: Callable[[nn.Module], None] | None = None
     kernel: str = ""
     algorithms: AlgorithmCache | None = None
+    fused: bool = True
+    """Whether the cuSPARSELt ops may use the Triton kernels (where they were chosen)."""
 
 
 def layer_variants(device: torch.device, names: list[str]) -> list[Variant]:
@@ -141,6 +163,8 @@ def all_variants(device: torch.device) -> list[Variant]:
             variants.append(Variant(f"{label}, searched", install, kernel))
             stored = functools.partial(install_stored_mask, kernel=kernel)
             variants.append(Variant(f"{label}, stored mask, searched", stored, kernel))
+            name = f"{label}, searched, torch-ops packer"
+            variants.append(Variant(name, install, kernel, fused=False))
     # the projection a runtime 2:4 phase installs (traced into compiled graphs where it can)
     runtime = build_algorithm(resolve_phases([Phase(sparsity="2:4")], total_steps=1)[0])
     masked = functools.partial(
@@ -183,7 +207,7 @@ def time_layer(
     if variant.install is not None:
         variant.install(layer)
     try:
-        with algorithms(variant.algorithms):
+        with algorithms(variant.algorithms), fused_kernels(variant.fused):
             run = torch.compile(layer, **compile_options(device)) if compiled else layer
 
             def step() -> None:
@@ -254,7 +278,7 @@ def layer_rows(
                     table="layers", label=label, tokens=tokens, in_features=fan_in,
                     out_features=fan_out, variant=variant.name, kernel=variant.kernel,
                     algorithm=algorithm_of(variant), stored="stored mask" in variant.name,
-                    mode=mode, ms=ms, ratio=ratio,
+                    fused=variant.fused, mode=mode, ms=ms, ratio=ratio,
                 )  # fmt: skip
             name = variant.name
             if variant.kernel and variant.algorithms is None and kernel_takes:
@@ -296,7 +320,8 @@ def packing_rows(
     args: argparse.Namespace, device: torch.device, timer: Timer, records: Records
 ) -> list[list[str]]:
     dtype, cuda = torch.bfloat16, device.type == "cuda"
-    ours = cuda and cusparselt.packer_matches(dtype, device)
+    chosen = packer(dtype, device).name if cuda else ""
+    ours = chosen == cusparselt.TORCH_OPS  # else the Triton kernels or _cslt_compress
     rows = []
     for shape in args.weights:
         weight = f"{shape[0]}x{shape[1]}"
@@ -311,7 +336,7 @@ def packing_rows(
             ("lightning_sparse at a stored mask", stored.rows.compress,
              stored.columns.compress, w, "stored masks" if ours else "no"),
             ("torch._cslt_compress", torch._cslt_compress, torch._cslt_compress, w24,
-             "no" if ours else "all masks"),
+             "all masks" if chosen == cusparselt.CSLT else "no"),
         ]  # fmt: skip
         for name, pack, pack_t, source, used in packers:
             if not cuda and name.startswith("torch."):
@@ -332,6 +357,122 @@ def packing_rows(
                     what=what, eager_ms=ms, graphed_ms=_number(graph),
                 )  # fmt: skip
     return rows
+
+
+@dataclass(frozen=True)
+class Job:
+    """A packing job of a training step and the bytes per weight it must read and write."""
+
+    name: str
+    bytes_per_weight: float
+
+
+# the weight (2 bytes) read; W and W.T packed written (2 x 9/16 x 2 bytes); a bool mask read
+RUNTIME = Job("mask + W, W.T", 2 + 2.25)
+STORED = Job("W, W.T at a stored mask", 2 + 1 + 2.25)
+MASK = Job("mask", 2 + 1)
+
+
+def fused_rows(
+    args: argparse.Namespace, device: torch.device, timer: Timer, records: Records
+) -> tuple[str, list[list[str]]]:
+    """The ``fused`` stage: each packing job by each method, against its memory bound."""
+    dtype, cuda = torch.bfloat16, device.type == "cuda"
+    chosen = packer(dtype, device) if cuda else None
+    bandwidth = copy_bandwidth(device, timer)  # GB/s
+    header = (
+        f"Copy bandwidth {bandwidth:.0f} GB/s (`dst.copy_(src)`, read + write, this run); "
+        f"packer in use: {chosen.note() if chosen else '- (no GPU)'}"
+    )
+    rows = []
+    for shape in args.fused_weights:
+        weight = f"{shape[0]}x{shape[1]}"
+        if args.deadline.passed(f"fused {weight}"):
+            continue
+        w = torch.randn(shape, device=device, dtype=dtype)
+        keep = greedy_2to4_mask(w)
+        for job, method, step, why_not in fused_methods(w, keep, chosen):
+            limit = w.numel() * job.bytes_per_weight / (bandwidth * 1e6)  # ms
+            if why_not:
+                rows.append([weight, job.name, method, why_not, *["-"] * 4])
+                continue
+            eager = timer(step)
+            graphed = graph_ms(step, timer, device)
+            best = _number(graphed) or eager
+            used = chosen is not None and in_use(method, chosen.name)
+            uses = "-" if chosen is None else "yes" if used else "no"
+            rows.append(
+                [weight, job.name, method, uses, f"{eager:.3f}",
+                 graphed, f"{limit:.3f}", f"{best / limit:.1f}x"]
+            )  # fmt: skip
+            records.add(
+                table="fused", weight=weight, job=job.name, method=method, in_use=used,
+                eager_ms=eager, graphed_ms=_number(graphed), limit_ms=limit,
+                times_limit=best / limit, bandwidth_gbs=bandwidth,
+            )  # fmt: skip
+    return header, rows
+
+
+def fused_methods(
+    w: torch.Tensor, keep: torch.Tensor, chosen: cusparselt.Packer | None
+) -> list[tuple[Job, str, Callable[[], object], str]]:
+    """``(job, method, step, why not timed)`` for each method of each job on ``w``
+    (``keep``: its greedy mask, as a stored mask)."""
+    cuda = w.device.type == "cuda"
+    triton = chosen is not None and chosen.name == cusparselt.TRITON
+    no_triton = (
+        "" if triton else f"not used here ({chosen.why if chosen else 'no GPU'})"
+    )
+    no_cslt = "" if cuda else "n/a (CUDA only)"
+    rows, columns = packing(keep), packing(keep.t().contiguous())
+
+    def torch_runtime() -> object:
+        w24 = w * greedy_2to4_mask(w)
+        return compress(w24), compress(w24.t().contiguous())
+
+    def cslt_runtime() -> object:
+        w24 = positive_zeros(w * greedy_2to4_mask(w))
+        return torch._cslt_compress(w24), torch._cslt_compress(w24.t().contiguous())
+
+    def torch_stored() -> object:
+        return rows.compress(w), columns.compress(w.t().contiguous())
+
+    def cslt_stored() -> object:
+        w24 = positive_zeros(w * keep)
+        return torch._cslt_compress(w24), torch._cslt_compress(w24.t().contiguous())
+
+    return [
+        (RUNTIME, TRITON_MASK_AND_PACK, lambda: cusparselt.triton_sparse24.mask_and_pack(w), no_triton),
+        (RUNTIME, "torch ops: tile-op mask, our packer", torch_runtime, ""),
+        (RUNTIME, "tile-op mask, torch._cslt_compress", cslt_runtime, no_cslt),
+        (STORED, "Triton: W, W.T, one pass", lambda: cusparselt.triton_sparse24.pack(w, keep), no_triton),
+        (STORED, "torch ops: our packer at the stored positions", torch_stored, ""),
+        (STORED, "torch._cslt_compress", cslt_stored, no_cslt),
+        (MASK, "tile-op mask alone (greedy_2to4_mask)", lambda: greedy_2to4_mask(w), ""),
+    ]  # fmt: skip
+
+
+def in_use(method: str, chosen: str) -> bool:
+    """Whether training runs ``method`` here, given the packer chosen."""
+    if method.startswith("Triton"):
+        return chosen == cusparselt.TRITON
+    if method.startswith("torch ops"):
+        return chosen == cusparselt.TORCH_OPS
+    if "_cslt_compress" in method:
+        return chosen == cusparselt.CSLT
+    return (
+        chosen != cusparselt.TRITON
+    )  # the tile-op mask: the runtime mask of the others
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> float:
+    """GB/s of ``dst.copy_(src)`` on 256 MiB (8 MiB on the CPU), counting each byte read and
+    written: the memory bound of the packing jobs, measured in this run."""
+    size = (256 if device.type == "cuda" else 8) << 20
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * size / (ms * 1e6)
 
 
 def packing_steps(
@@ -411,6 +552,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         )
     ]
     args.weights = SMOKE_WEIGHTS if args.cpu_smoke else WEIGHTS
+    args.fused_weights = SMOKE_WEIGHTS if args.cpu_smoke else FUSED_WEIGHTS
     if args.cpu_smoke:
         args.repeats, args.warmup = 1, 0
         args.compiled = ["all"]
@@ -450,6 +592,11 @@ def main(argv: list[str] | None = None) -> None:
         ]
         header += ["W graph ms", "W.T graph ms", "W and W.T graph ms"]
         print(markdown_table(header, packing_rows(args, device, timer, records)) + "\n")
+    if "fused" in args.stages:
+        line, rows = fused_rows(args, device, timer, records)
+        header = ["weight", "job", "method", "training uses it", "eager ms"]
+        header += ["CUDA graph ms", "memory-bound ms", "x memory-bound"]
+        print(line + "\n\n" + markdown_table(header, rows) + "\n")
     if "layers" in args.stages:
         header = ["workload", "variant", "eager ms (fwd+bwd)", "vs dense"]
         header += ["compiled ms", "vs dense"]

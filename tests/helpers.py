@@ -441,7 +441,7 @@ def dense_cusparselt(monkeypatch: Any, packer_matches: bool = True) -> list[tupl
 
     monkeypatch.setattr(cusparselt, "_sparse_mm", sparse_mm)
     monkeypatch.setattr(torch, "_cslt_compress", lambda w24: w24.clone())
-    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(cusparselt, "_PACKERS", {})
     monkeypatch.setattr(
         cusparselt, "_compare_packers", lambda dtype, device: packer_matches
     )

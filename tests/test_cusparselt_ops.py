@@ -38,7 +38,15 @@ def test_the_ops_pass_opcheck(dense_stand_in):
     weight = torch.randn(128, 256, requires_grad=True)
     bias = torch.randn(128, requires_grad=True)
     w24 = (weight * transposable_2to4_mask(weight)).detach().requires_grad_()
-    torch.library.opcheck(cusparselt.prune_24, (weight,))
+    half = [t.detach().bfloat16().requires_grad_() for t in (x, weight, bias)]
+    torch.library.opcheck(cusparselt.linear_24_projected, (*half, True))
+    inputs = half[0].detach()  # without an input gradient: no W24.T packed
+    args = (inputs, *half[1:], False)
+    torch.library.opcheck(cusparselt.linear_24_projected, args)
+    packed_t = cusparselt_packer.compress(w24.detach().t().contiguous().bfloat16())
+    grad = torch.randn(12, 128, dtype=torch.bfloat16)
+    args = (grad, packed_t, half[1].detach())  # not differentiable again
+    torch.library.opcheck(cusparselt.linear_24_packed_input_grad, args)
     torch.library.opcheck(cusparselt.linear_24, (x, w24, bias))
     torch.library.opcheck(cusparselt.linear_24, (x, w24, None))
     torch.library.opcheck(cusparselt.linear_24_input_grad, (torch.randn(12, 128), w24))
@@ -57,6 +65,16 @@ def test_the_ops_compute_the_2to4_linear_with_straight_through_gradients(
     out.backward(grad)
     torch.testing.assert_close(x.grad, grad @ w24)
     torch.testing.assert_close(weight.grad, grad.T @ x.detach())  # dense
+
+
+def test_a_second_order_gradient_through_the_runtime_op_names_the_fix(dense_stand_in):
+    torch.manual_seed(0)
+    x = torch.randn(8, 256, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+    out = cusparselt.cusparselt_linear(x, weight, None, None)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order.*backend='masked'"):
+        grad_x.sum().backward()
 
 
 def test_every_sparse_matmul_uses_the_searched_algorithm(monkeypatch):
@@ -193,7 +211,7 @@ def test_the_cache_searches_each_dtype_of_a_shape_on_its_own():
 
 @pytest.mark.parametrize("matches", [True, False])
 def test_our_packer_is_used_only_where_its_bytes_match(monkeypatch, matches):
-    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(cusparselt, "_PACKERS", {})
     monkeypatch.setattr(cusparselt, "_compare_packers", lambda dtype, device: matches)
     monkeypatch.setattr(torch, "_cslt_compress", lambda w: "theirs")
     monkeypatch.setattr(cusparselt, "compress", lambda w: "ours")
@@ -204,15 +222,19 @@ def test_our_packer_is_used_only_where_its_bytes_match(monkeypatch, matches):
 
 
 def test_a_packer_that_differs_warns_and_the_table_names_the_packer(monkeypatch):
-    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(cusparselt, "_PACKERS", {})
     monkeypatch.setattr(
         torch, "_cslt_compress", lambda w: w.reshape(w.shape[0], -1) * 0
     )
     with pytest.warns(RuntimeWarning, match="packed by torch._cslt_compress"):
         assert not cusparselt.packer_matches(torch.bfloat16, torch.device("cpu"))
+    assert cusparselt.packer(torch.bfloat16, torch.device("cpu")).note() == (
+        "packed by torch._cslt_compress (lightning_sparse's packers write other bytes here)"
+    )
     cuda = torch.device("cuda", 0)
-    cusparselt._PACKER_MATCHES[torch.bfloat16, cuda] = True
-    assert cusparselt.packer_note(torch.bfloat16, cuda) == "packed by lightning_sparse"
+    cusparselt._PACKERS[torch.bfloat16, cuda] = cusparselt.Packer("torch", "no Triton")
+    note = cusparselt.packer_note(torch.bfloat16, cuda)
+    assert note == "packed by lightning_sparse (no Triton)"
 
 
 CPU = torch.device("cpu")
@@ -222,10 +244,11 @@ def test_the_packer_comparison_runs_once_per_gpu_however_the_device_is_written(
     monkeypatch,
 ):
     compared = []
-    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(cusparselt, "_PACKERS", {})
     monkeypatch.setattr(
         cusparselt, "_compare_packers", lambda *key: compared.append(key) or True
     )
+    monkeypatch.setattr(cusparselt, "_triton_differs", lambda *key: "no Triton here")
     monkeypatch.setattr(cusparselt, "capturing", lambda device: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     for device in ("cuda", "cuda:1", "cuda", "cuda:0"):
@@ -236,7 +259,7 @@ def test_the_packer_comparison_runs_once_per_gpu_however_the_device_is_written(
         (torch.bfloat16, torch.device("cuda", 0)),
     ]
     assert cusparselt.packer_note(torch.bfloat16, torch.device("cuda")) == (
-        "packed by lightning_sparse"
+        "packed by lightning_sparse (no Triton here)"
     )
 
 
@@ -248,7 +271,7 @@ def test_a_compressor_that_writes_negative_zeros_into_padding_leaves_our_packer_
     them into padding writes other bytes for the same weight, which must not turn the
     packer off (it did: every packing then ran ``torch._cslt_compress``)."""
     emulated_cusparselt(monkeypatch, raw_padding=True)
-    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(cusparselt, "_PACKERS", {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "packed by torch._cslt_compress" warning
         assert cusparselt.packer_matches(dtype, CPU)
@@ -272,7 +295,7 @@ def test_a_packing_the_matmul_reads_otherwise_turns_our_packer_off(monkeypatch):
 
     monkeypatch.setattr(cusparselt, "compress", tagged)
     monkeypatch.setattr(torch, "_cslt_sparse_mm", reads_ours_otherwise)
-    monkeypatch.setattr(cusparselt, "_PACKER_MATCHES", {})
+    monkeypatch.setattr(cusparselt, "_PACKERS", {})
     with pytest.warns(RuntimeWarning, match="packed by torch._cslt_compress"):
         assert not cusparselt.packer_matches(torch.bfloat16, CPU)
 

@@ -28,6 +28,9 @@ FIXTURES = load_file(Path(__file__).parent / "fixtures" / "cusparselt_h100.safet
 PROBE_GROUPS = sorted(
     {key.split("/")[1] for key in FIXTURES if key.startswith("probes/group")}
 )
+RANDOM_SHAPES = sorted(
+    {key.split("/")[1] for key in FIXTURES if key.startswith("random/")}
+)
 
 
 def probe_base() -> torch.Tensor:
@@ -83,7 +86,7 @@ def reference(w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["W", "W.T"])
-@pytest.mark.parametrize("shape", ["128x128", "128x256"])
+@pytest.mark.parametrize("shape", RANDOM_SHAPES)
 def test_compress_writes_the_captured_bytes_of_random_weights(shape, transpose):
     w24 = FIXTURES[f"random/{shape}/w24"]
     w = w24.t().contiguous() if transpose else w24
@@ -92,7 +95,7 @@ def test_compress_writes_the_captured_bytes_of_random_weights(shape, transpose):
     )
 
 
-@pytest.mark.parametrize("shape", ["128x128", "128x256"])
+@pytest.mark.parametrize("shape", RANDOM_SHAPES)
 def test_negative_zeros_pack_to_the_captured_bytes(shape):
     """``weight * mask`` leaves ``-0.0`` at pruned negative weights (and a kept weight may be
     ``-0.0``): the bytes are those captured for the same weight with positive zeros."""

@@ -75,7 +75,7 @@ def test_fsdp2_kernel_plan_of_the_llama_recipe_on_8_h100s(capsys):
             "0.0",
             "0.0",
             f"{weights + masks:.1f}",
-            f"+{MLP * 2 / MIB:.1f}",  # the pruned bf16 copies, whole, until the backward
+            f"+{MLP * 2 * 9 / 16 / MIB:.1f}",  # W.T packed in bf16, until the backward
             f"+{MLP * 5 / MIB:.1f} (transient)",
         ]
     }

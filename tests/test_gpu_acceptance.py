@@ -144,10 +144,22 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
          "eager_ms": 0.01, "graphed_ms": 0.01},  # the packer not in use does not count
         {"table": "layers", "tokens": 16384, "in_features": 4096, "out_features": 11008,
          "kernel": "cusparselt", "algorithm": "searched", "mode": "compiled",
-         "stored": True, "ratio": 1.5},  # a stored mask: not the runtime target's layer
+         "stored": True, "fused": True, "ratio": 1.5},  # a stored mask: not the target's
         {"table": "layers", "tokens": 16384, "in_features": 4096, "out_features": 11008,
          "kernel": "cusparselt", "algorithm": "searched", "mode": "compiled",
-         "stored": False, "ratio": 1.1},
+         "stored": False, "fused": False, "ratio": 1.4},  # without the Triton kernels
+        {"table": "layers", "tokens": 16384, "in_features": 4096, "out_features": 11008,
+         "kernel": "cusparselt", "algorithm": "searched", "mode": "compiled",
+         "stored": False, "fused": True, "ratio": 1.1},
+        {"table": "fused", "weight": "11008x4096", "job": "mask + W, W.T", "in_use": False,
+         "method": "torch ops: tile-op mask, our packer", "graphed_ms": 0.05,
+         "times_limit": 1.0},  # not the Triton kernels
+        {"table": "fused", "weight": "11008x4096", "job": "mask + W, W.T", "in_use": True,
+         "method": "Triton: mask + W, W.T, one pass", "graphed_ms": 0.09, "eager_ms": 0.2,
+         "times_limit": 2.6},
+        {"table": "fused", "weight": "11008x4096", "job": "W, W.T at a stored mask",
+         "in_use": True, "method": "Triton: W, W.T, one pass", "graphed_ms": 0.07,
+         "eager_ms": 0.1},  # the packer in use: Triton, no packing row in use
         {"table": "verify_speed", "kept_sparse": True, "ratio": 1.5},  # the decision's own
         {"table": "kept layers", "kept_sparse": False, "on_kernel": True, "ratio": 0.5},
     ]  # fmt: skip
@@ -161,6 +173,14 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         "0.05 ms",
         "PASS",
     ]
+    assert verdicts["packing W and W.T, 11008x4096 (packer in use, CUDA graph)"] == [
+        "0.07 ms",
+        "PASS",
+    ]
+    triton = "mask + packing W and W.T, 11008x4096 (Triton kernels, one pass, CUDA graph)"
+    assert verdicts[triton] == ["0.09 ms", "PASS"]
+    bound = "the same, as a multiple of its memory-bound time (copy bandwidth, this run)"
+    assert verdicts[bound] == ["2.6 x", "FAIL"]
     assert verdicts["runtime 2:4 linear fwd+bwd compiled, 16384x4096 -> 11008"] == [
         "1.1 x",
         "FAIL",

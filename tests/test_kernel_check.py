@@ -245,7 +245,7 @@ def test_no_op_packs_or_searches_before_the_kernel_check_passed(inject, monkeypa
     packers or searches (on a GPU: no cuSPARSELt work, and nothing in a capture)."""
     inject(wrong)
     work = []
-    for name in ("pack", "_pack_stored", "_sparse_mm"):
+    for name in ("pack", "_project_and_pack", "_pack_stored", "_sparse_mm"):
         monkeypatch.setattr(
             cusparselt, name, lambda *args, name=name: work.append(name)
         )
@@ -256,7 +256,10 @@ def test_no_op_packs_or_searches_before_the_kernel_check_passed(inject, monkeypa
     w24 = weight * mask
     packing = ss.stored_mask_packing("cusparselt", mask, mask)
     stored = packing.op_arguments()
+    packed_t = torch.zeros(256, 72, dtype=torch.bfloat16)
     calls = [
+        lambda: cusparselt.linear_24_projected(x, weight, None, True),
+        lambda: cusparselt.linear_24_packed_input_grad(grad, packed_t, weight),
         lambda: cusparselt.linear_24(x, w24, None),
         lambda: cusparselt.linear_24_input_grad(grad, w24),
         lambda: cusparselt.linear_24_stored(x, weight, None, *stored),

@@ -269,15 +269,10 @@ def test_compile_traces_the_cusparselt_layer(fake_cuda, monkeypatch, dtype, stor
     )
     out = compiled(torch.randn(4, 7, 512, device="cuda", dtype=dtype))
     assert (out.shape, out.dtype) == ((4, 7, 256), dtype)
-    (code,) = (
-        graphs  # one graph: the pruning (or packing) and the sparse matmul, no break
-    )
-    if stored:
-        assert "lightning_sparse.linear_24_stored" in code and "prune_24" not in code
-    else:
-        assert (
-            "lightning_sparse.prune_24" in code and "lightning_sparse.linear_24" in code
-        )
+    (code,) = graphs  # one graph: one node that packs and multiplies, no break
+    op = "linear_24_stored" if stored else "linear_24_projected"
+    assert code.count("torch.ops.lightning_sparse.") == 1
+    assert f"torch.ops.lightning_sparse.{op}.default" in code
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

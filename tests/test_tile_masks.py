@@ -152,13 +152,13 @@ def test_sorting_network_sorts_every_01_input() -> None:
     """By the 0-1 principle, a comparator network that sorts all 2**16 0/1 inputs sorts anything."""
     v = (torch.arange(1 << 16)[:, None] >> torch.arange(16)) & 1
     cols = list(v.t())
-    for i, j in tile_masks._SORT16:
+    for i, j in tile_masks.SORTING_NETWORK_16:
         cols[i], cols[j] = (
             torch.minimum(cols[i], cols[j]),
             torch.maximum(cols[i], cols[j]),
         )
     s = torch.stack(cols, 1)
-    assert len(tile_masks._SORT16) == 60
+    assert len(tile_masks.SORTING_NETWORK_16) == 60
     assert bool((s[:, 1:] >= s[:, :-1]).all())
 
 

@@ -1,28 +1,36 @@
-"""The cuSPARSELt 2:4 linear as custom ops: prune, then ``x @ W24.T`` and its input gradient.
+"""The cuSPARSELt 2:4 linear as custom ops: ``x @ W24.T`` and its input gradient.
 
-- ``lightning_sparse::prune_24(weight)``: ``weight`` times its greedy transposable 2:4 mask
-  (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`: torch's tile kernel on CUDA), with
-  a straight-through gradient.
-- ``lightning_sparse::linear_24(x, w24, bias)``: packs ``w24`` (:func:`pack`) and runs
-  ``torch._cslt_sparse_mm`` with the algorithm searched for its shape
-  (:mod:`~lightning_sparse.backends.cusparselt_algorithms`); its backward packs ``w24.T`` for
-  the input gradient ``grad @ W24`` (``lightning_sparse::linear_24_input_grad``) and computes
-  the weight gradient ``grad.T @ x`` densely (straight-through to the weight).
-
+- ``lightning_sparse::linear_24_projected(x, weight, bias, transposed)``: ``W24`` is the
+  greedy transposable 2:4 projection of ``weight``, packed in cuSPARSELt's format (and
+  ``W24.T`` too, for the input gradient, where ``transposed``); runs ``torch._cslt_sparse_mm``
+  with the algorithm searched for its shape
+  (:mod:`~lightning_sparse.backends.cusparselt_algorithms`). Its backward multiplies ``grad``
+  by ``W24.T`` packed (``lightning_sparse::linear_24_packed_input_grad``) and computes the
+  weight gradient ``grad.T @ x`` densely (straight-through to the weight). Where the Triton
+  kernels pack (:mod:`~lightning_sparse.backends.triton_sparse24`), one pass over the weight
+  chooses the mask (:func:`~lightning_sparse.masks.tiles.transposable_2to4_mask`'s choice, ties
+  included) and writes both packings; else torch's tile kernel chooses it
+  (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`) and :func:`pack` packs.
+- ``lightning_sparse::linear_24(x, w24, bias)``: the same for a 2:4 weight given as it is (a
+  stored mask at a shape our packers do not know); its backward packs ``w24.T``
+  (``lightning_sparse::linear_24_input_grad``).
 - ``lightning_sparse::linear_24_stored(x, weight, bias, mask, ...)``: the same product for a
   stored mask, with what the mask fixes of the packed format (its :class:`MaskPacking`, made
-  at each mask update by :func:`mask_packing`), so that each step only gathers the values.
+  at each mask update by :func:`mask_packing`), so that each step only gathers the values (or
+  the Triton kernels pack the weight at the mask in one pass).
 
-Packing uses our packer (:mod:`~lightning_sparse.backends.cusparselt_packer`, at memory speed)
-where its bytes equal those of cuSPARSELt's own ``torch._cslt_compress`` on the running GPU and
-``torch._cslt_sparse_mm`` computes the same product from both (compared once per process, dtype
-and device, on weights with padded groups and negative zeros), and ``torch._cslt_compress``
-everywhere else; a difference warns once. ``torch._cslt_compress`` is only ever given positive
+The packer (:func:`packer`) is chosen once per process, dtype and device, at the first packing:
+the Triton kernels where they write the bytes of cuSPARSELt's own ``torch._cslt_compress`` on
+the running GPU and ``torch._cslt_sparse_mm`` computes the same products from both, else our
+torch-ops packer (:mod:`~lightning_sparse.backends.cusparselt_packer`) where it does, else
+``torch._cslt_compress``; each comparison runs on weights with padded groups and negative
+zeros, and a difference warns once. ``torch._cslt_compress`` is only ever given positive
 zeros: ``weight * mask`` leaves ``-0.0`` at pruned negative weights, which a compressor may
 count as kept values (CUTLASS's sm90 compressor did).
 
 Being custom ops with fake implementations, they are single nodes that ``torch.compile``
-traces (and CUDA graphs capture) without looking inside. Each run first asks
+traces (and CUDA graphs capture) without looking inside; which packer runs is decided inside
+them, as they run. Each run first asks
 :func:`~lightning_sparse.backends.kernel_check.require_kernel`, before any cuSPARSELt work, so
 they refuse to run where the kernel check failed.
 
@@ -32,13 +40,16 @@ Example (shapes only, on fake CUDA tensors):
     >>> with FakeTensorMode():
     ...     x = torch.empty(300, 256, device="cuda", dtype=torch.bfloat16)
     ...     w = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
-    ...     linear_24(x, prune_24(w), None).shape
-    torch.Size([300, 128])
+    ...     out, packed_t = linear_24_projected(x, w, None, True)
+    ...     out.shape, packed_t.shape
+    (torch.Size([300, 128]), torch.Size([256, 72]))
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +68,7 @@ from lightning_sparse.backends.cusparselt_packer import (
 )
 from lightning_sparse.backends.kernel_check import (
     capturing,
+    first_line,
     known_values,
     normalized_device,
     require_kernel,
@@ -65,25 +77,14 @@ from lightning_sparse.backends.kernel_check import (
 from lightning_sparse.backends.masked import straight_through_mask
 from lightning_sparse.masks.tiles import greedy_2to4_mask, transposable_2to4_mask
 
+try:
+    from lightning_sparse.backends import triton_sparse24
+except ModuleNotFoundError as missing:  # the CPU torch build has no Triton
+    if missing.name != "triton":
+        raise
+    triton_sparse24 = None
+
 KERNEL = "cusparselt"
-
-
-@torch.library.custom_op("lightning_sparse::prune_24", mutates_args=())
-def prune_24(weight: Tensor) -> Tensor:
-    """``weight`` pruned to its greedy transposable 2:4 pattern (straight-through)."""
-    return weight * greedy_2to4_mask(weight)
-
-
-@prune_24.register_fake
-def _(weight: Tensor) -> Tensor:
-    return torch.empty_like(weight)
-
-
-def _straight_through(ctx: object, grad: Tensor) -> Tensor:
-    return grad
-
-
-prune_24.register_autograd(_straight_through)
 
 
 def pack(w24: Tensor) -> Tensor:
@@ -93,27 +94,91 @@ def pack(w24: Tensor) -> Tensor:
     return torch._cslt_compress(positive_zeros(w24))
 
 
-_PACKER_MATCHES: dict[tuple[torch.dtype, torch.device], bool] = {}
+TRITON, TORCH_OPS, CSLT = "triton", "torch", "cslt"
+
+
+@dataclass(frozen=True)
+class Packer:
+    """The packer of cuSPARSELt's format for one dtype and device in this process: ``name``
+    is ``"triton"`` (the Triton kernels, and our torch-ops packer where they do not apply),
+    ``"torch"`` (our torch-ops packer) or ``"cslt"`` (``torch._cslt_compress``); ``why``: why
+    not the Triton kernels."""
+
+    name: str
+    why: str = ""
+
+    def note(self) -> str:
+        """What the fit-start table says of it."""
+        if self.name == TRITON:
+            return "packed by lightning_sparse's Triton kernels"
+        packer = (
+            "lightning_sparse" if self.name == TORCH_OPS else "torch._cslt_compress"
+        )
+        return f"packed by {packer} ({self.why})"
+
+
+_PACKERS: dict[tuple[torch.dtype, torch.device], Packer] = {}
+_FUSED = True  # see fused_kernels
+
+
+def packer(dtype: torch.dtype, device: torch.device) -> Packer:
+    """The packer for ``dtype`` on ``device``, chosen at the first call (comparing with
+    ``torch._cslt_compress``; while a CUDA graph is captured, an unknown one counts as
+    ``torch._cslt_compress``)."""
+    key = (dtype, normalized_device(device))
+    if key not in _PACKERS:
+        if capturing(device):
+            return Packer(CSLT, "not compared yet: a CUDA graph was being captured")
+        _PACKERS[key] = _choose_packer(*key)
+    return _PACKERS[key]
 
 
 def packer_matches(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether our packer writes the bytes of ``torch._cslt_compress`` on ``device`` in
-    ``dtype`` (compared once; while a CUDA graph is captured, unknown counts as no)."""
-    key = (dtype, normalized_device(device))
-    if key not in _PACKER_MATCHES:
-        if capturing(device):
-            return False
-        _PACKER_MATCHES[key] = _compare_packers(*key)
-    return _PACKER_MATCHES[key]
+    """Whether our packers write the bytes of ``torch._cslt_compress`` on ``device`` in
+    ``dtype`` (see :func:`packer`)."""
+    return packer(dtype, device).name != CSLT
 
 
 def packer_note(dtype: torch.dtype, device: torch.device) -> str:
     """Which packer this process uses, for the fit-start table (nothing off a GPU)."""
     if device.type != "cuda":
         return ""
-    if packer_matches(dtype, device):
-        return "packed by lightning_sparse"
-    return "packed by torch._cslt_compress"
+    return packer(dtype, device).note()
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool) -> Iterator[None]:
+    """Inside the block, the cuSPARSELt ops use the Triton kernels where they were chosen
+    (``True``, as outside) or our torch-ops packer instead (``False``: to time the difference).
+
+    Example:
+        >>> with fused_kernels(False):
+        ...     _fused(torch.zeros(128, 128, dtype=torch.bfloat16))
+        False
+    """
+    global _FUSED
+    before, _FUSED = _FUSED, enabled
+    try:
+        yield
+    finally:
+        _FUSED = before
+
+
+def _fused(weight: Tensor) -> bool:
+    """Whether the Triton kernels pack ``weight`` (they passed their comparison for its dtype
+    and device, and take its shape)."""
+    return (
+        _FUSED
+        and supports(weight.shape, weight.dtype)
+        and packer(weight.dtype, weight.device).name == TRITON
+    )
+
+
+def _choose_packer(dtype: torch.dtype, device: torch.device) -> Packer:
+    if not _compare_packers(dtype, device):
+        return Packer(CSLT, "lightning_sparse's packers write other bytes here")
+    why = _triton_differs(dtype, device)
+    return Packer(TORCH_OPS, why) if why else Packer(TRITON)
 
 
 def _compare_packers(dtype: torch.dtype, device: torch.device) -> bool:
@@ -129,25 +194,67 @@ def _compare_packers(dtype: torch.dtype, device: torch.device) -> bool:
     same = True
     for w in (w24, w24.t().contiguous()):
         w = w.to(device, dtype)
-        ours, theirs = compress(w), torch._cslt_compress(positive_zeros(w))
-        x = torch.randn(w.shape[1], 64, generator=torch.Generator().manual_seed(0))
-        x = x.to(device, dtype)
-        same = same and (
-            ours.shape == theirs.shape
-            and torch.equal(canonical_words(ours), canonical_words(theirs))
-            and torch.equal(
-                torch._cslt_sparse_mm(ours, x), torch._cslt_sparse_mm(theirs, x)
-            )
-        )
+        same = same and _writes_cslt_bytes(compress(w), w)
     if not same:
         warnings.warn(
             f"lightning_sparse's cuSPARSELt packer does not write the bytes of "
             f"torch._cslt_compress on {versions(device)}: 2:4 weights are packed by "
             f"torch._cslt_compress (correct, slower)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     return same
+
+
+def _triton_differs(dtype: torch.dtype, device: torch.device) -> str:
+    """Why the Triton kernels are not used on ``device`` in ``dtype``: empty where both write
+    the bytes of ``torch._cslt_compress`` and ``torch._cslt_sparse_mm`` computes the same
+    products from them, for ``W`` and ``W.T`` of a weight with zeros, negative zeros and groups
+    keeping fewer than 2 (the mask chosen by the kernel, and a stored mask)."""
+    if triton_sparse24 is None:
+        return "Triton is not installed"
+    if not triton_sparse24.runs_on(device):
+        return f"the Triton kernels do not run on {device.type} tensors here"
+    weight = known_values(128, 256)
+    weight[:8, :8] = -0.0  # tiles of zeros: groups keeping none ...
+    weight[0, 1], weight[5, 6] = 0.75, -0.75  # ... and groups keeping one
+    w24 = weight * transposable_2to4_mask(weight)
+    expected = [w.to(device, dtype) for w in (w24, w24.t().contiguous())]
+    w = weight.to(device, dtype)
+    try:
+        fused = triton_sparse24.mask_and_pack(w)
+        stored = triton_sparse24.pack(w, (w24 != 0).to(device))
+    except (torch.OutOfMemoryError, torch.AcceleratorError):
+        raise  # the GPU's state, not the kernels': no choice is kept
+    except Exception as err:  # noqa: BLE001 (a kernel that fails here is not used)
+        why = f"the Triton kernels raised {type(err).__name__} ({first_line(err)})"
+    else:
+        packings = zip((*fused, *stored), expected * 2)
+        if all(_writes_cslt_bytes(ours, w24) for ours, w24 in packings):
+            return ""
+        why = "the Triton kernels write other bytes than torch._cslt_compress"
+    warnings.warn(
+        f"{why} on {versions(device)}: 2:4 weights are packed by lightning_sparse's torch-ops "
+        f"packer (correct, slower)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return why
+
+
+def _writes_cslt_bytes(ours: Tensor, w24: Tensor) -> bool:
+    """Whether ``ours`` holds the bytes ``torch._cslt_compress`` writes for the 2:4 ``w24``
+    (stored zeros by value) and ``torch._cslt_sparse_mm`` computes the same product from it."""
+    theirs = torch._cslt_compress(positive_zeros(w24))
+    x = torch.randn(w24.shape[1], 64, generator=torch.Generator().manual_seed(0))
+    x = x.to(w24.device, w24.dtype)
+    return (
+        ours.shape == theirs.shape
+        and torch.equal(canonical_words(ours), canonical_words(theirs))
+        and torch.equal(
+            torch._cslt_sparse_mm(ours, x), torch._cslt_sparse_mm(theirs, x)
+        )
+    )
 
 
 # cuSPARSELt's 16-bit dense operands: rows padded to a multiple of this, as torch pads them
@@ -229,6 +336,98 @@ linear_24_input_grad.register_autograd(
 )
 
 
+def _project_and_pack(weight: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+    """``W24``, the greedy transposable 2:4 projection of ``weight``, packed, and ``W24.T``
+    packed (an empty ``(0, 0)`` tensor without ``transposed``): by the Triton kernels in one
+    pass, or with torch's tile kernel's mask by :func:`pack`."""
+    if _fused(weight):
+        packed, packed_t = triton_sparse24.mask_and_pack(weight, columns=transposed)
+    else:
+        w24 = weight * greedy_2to4_mask(weight)
+        packed = pack(w24)
+        packed_t = pack(w24.t().contiguous()) if transposed else None
+    return packed, weight.new_empty((0, 0)) if packed_t is None else packed_t
+
+
+@torch.library.custom_op("lightning_sparse::linear_24_projected", mutates_args=())
+def linear_24_projected(
+    x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool
+) -> tuple[Tensor, Tensor]:
+    """``x @ W24.T + bias`` on cuSPARSELt for the greedy transposable 2:4 projection ``W24``
+    of ``weight`` (float16 or bfloat16), and ``W24.T`` packed for the input gradient
+    (``transposed``; else empty)."""
+    require_kernel(KERNEL, weight.dtype, weight.device)
+    packed, packed_t = _project_and_pack(weight, transposed)
+    return _sparse_mm(packed, weight.shape[0], x, bias), packed_t
+
+
+@linear_24_projected.register_fake
+def _(x, weight, bias, transposed):  # type: ignore[no-untyped-def]
+    torch._check(weight.dtype in DTYPES, lambda: f"weight has dtype {weight.dtype}")
+    n, k = weight.shape
+    packed_t = weight.new_empty((k, n * 9 // 16) if transposed else (0, 0))
+    return x.new_empty((x.shape[0], n)), packed_t
+
+
+@torch.library.custom_op(
+    "lightning_sparse::linear_24_packed_input_grad", mutates_args=()
+)
+def linear_24_packed_input_grad(
+    grad: Tensor, packed_t: Tensor, weight: Tensor
+) -> Tensor:
+    """``grad @ W24`` on cuSPARSELt from ``W24.T`` packed: the input gradient of
+    ``linear_24_projected`` (``weight``: its dense weight, for the shape; not differentiable
+    again)."""
+    require_kernel(KERNEL, packed_t.dtype, packed_t.device)
+    return _sparse_mm(packed_t, weight.shape[1], grad, None)
+
+
+@linear_24_packed_input_grad.register_fake
+def _(grad: Tensor, packed_t: Tensor, weight: Tensor) -> Tensor:
+    return grad.new_empty((grad.shape[0], weight.shape[1]))
+
+
+def _no_second_order(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    raise RuntimeError(
+        "a second-order gradient through a runtime 2:4 layer on cuSPARSELt: its backward "
+        "keeps only W24.T packed, which cannot be differentiated again; run that layer with "
+        "backend='masked' (the same function, in dense math)"
+    )
+
+
+linear_24_packed_input_grad.register_autograd(_no_second_order)
+
+
+def _setup_projected(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
+    x, weight, bias, _ = inputs
+    packed_t = output[1]
+    ctx.mark_non_differentiable(packed_t)
+    # W24.T packed, 9/16 of the weight (less than a pruned copy); the weight itself (FSDP2's
+    # own parameter under FSDP2) only for its shape
+    ctx.save_for_backward(x, packed_t, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward_projected(ctx, grad: Tensor, _: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    x, packed_t, weight = ctx.saved_tensors
+    grad = grad.contiguous()
+    needs = ctx.needs_input_grad
+    if needs[0] and packed_t.numel() == 0:
+        raise RuntimeError(
+            "linear_24_projected(x, ..., transposed=False) kept no packed W24.T for the "
+            "input gradient; pass transposed=True where x needs a gradient"
+        )
+    grad_x = linear_24_packed_input_grad(grad, packed_t, weight) if needs[0] else None
+    grad_w = grad.t() @ x if needs[1] else None  # straight-through
+    grad_b = grad.sum(0) if ctx.has_bias and needs[2] else None
+    return grad_x, grad_w, grad_b, None
+
+
+linear_24_projected.register_autograd(
+    _backward_projected, setup_context=_setup_projected
+)
+
+
 @dataclass(frozen=True, eq=False)
 class MaskPacking:
     """What a stored transposable 2:4 mask fixes of the packed ``W`` and ``W.T``: each group's
@@ -295,10 +494,19 @@ def mask_packing(
 
 
 def _pack_stored(
-    weight: Tensor, mask: Tensor, keys: Tensor, metadata: Tensor
+    weight: Tensor, mask: Tensor, keys: Tensor, metadata: Tensor, transposed: bool
 ) -> Tensor:
-    """``weight * mask`` in cuSPARSELt's format: gathered at the stored positions by our
-    packer where it matches ``torch._cslt_compress``, else by ``torch._cslt_compress``."""
+    """``weight * mask`` (``transposed``: its transpose; ``keys``/``metadata``: that one's
+    packing) in cuSPARSELt's format, by the packer in use: the Triton kernels (reading
+    ``weight`` and ``mask`` as they are), our packer gathering at the stored positions, or
+    ``torch._cslt_compress``."""
+    if _fused(weight):
+        packed, packed_t = triton_sparse24.pack(
+            weight, mask, rows=not transposed, columns=transposed
+        )
+        return packed_t if transposed else packed
+    if transposed:
+        weight, mask = weight.t().contiguous(), mask.t().contiguous()
     if packer_matches(weight.dtype, weight.device):
         return Packing(tuple(weight.shape), keys, metadata).compress(weight)
     return torch._cslt_compress(positive_zeros(weight * mask))
@@ -319,7 +527,7 @@ def linear_24_stored(
     positions (``keys``/``metadata``: its packing; ``keys_t``/``metadata_t``: its transpose's)."""
     require_kernel(KERNEL, weight.dtype, weight.device)
     return _sparse_mm(
-        _pack_stored(weight, mask, keys, metadata), weight.shape[0], x, bias
+        _pack_stored(weight, mask, keys, metadata, False), weight.shape[0], x, bias
     )
 
 
@@ -342,9 +550,7 @@ def linear_24_stored_input_grad(
 ) -> Tensor:
     """``grad @ (weight * mask)`` on cuSPARSELt: the input gradient of ``linear_24_stored``."""
     require_kernel(KERNEL, weight.dtype, weight.device)
-    packed = _pack_stored(
-        weight.t().contiguous(), mask.t().contiguous(), keys_t, metadata_t
-    )
+    packed = _pack_stored(weight, mask, keys_t, metadata_t, True)
     return _sparse_mm(packed, weight.shape[1], grad, None)
 
 
@@ -408,5 +614,7 @@ def cusparselt_linear(
     gradients straight through to ``weight``."""
     if packing is not None:
         return linear_24_stored(x, weight, bias, *packing.op_arguments())
-    w24 = prune_24(weight) if mask is None else straight_through_mask(weight, mask)
-    return linear_24(x, w24, bias)
+    if mask is None:  # W24.T packed too where the input gradient will be needed
+        transposed = torch.is_grad_enabled() and x.requires_grad
+        return linear_24_projected(x, weight, bias, transposed)[0]
+    return linear_24(x, straight_through_mask(weight, mask), bias)

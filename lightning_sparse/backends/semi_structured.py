@@ -10,7 +10,8 @@ and reaches the dense weight unchanged (straight-through), as in PyTorch's 2:4 t
 Two kernels run them:
 
 - ``"cusparselt"``: :mod:`~lightning_sparse.backends.cusparselt`, packed by cuSPARSELt's own
-  ``torch._cslt_compress``, or by our packer where its bytes match that on the running GPU;
+  ``torch._cslt_compress``, or by our packers (Triton kernels, torch ops) where their bytes
+  match that on the running GPU;
 - ``"cutlass"`` (sm8x): :mod:`~lightning_sparse.backends.cutlass`.
 
 Before a kernel's first matmul in a process, the kernel check

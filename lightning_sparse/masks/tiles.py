@@ -44,6 +44,7 @@ from torch import Tensor
 from lightning_sparse.masks.patterns import nm_groups
 
 __all__ = [
+    "SORTING_NETWORK_16",
     "greedy_2to4_mask",
     "has_4x4_tiles",
     "is_transposable_2to4",
@@ -53,10 +54,7 @@ __all__ = [
 
 _TILE = 4
 
-# A minimal-size (60 comparators, 10 layers) sorting network for 16 inputs (M. W. Green),
-# checked exhaustively by the 0-1 principle in the tests. Comparator (i, j), i < j, leaves
-# the minimum on wire i and the maximum on wire j.
-_SORT16 = (
+SORTING_NETWORK_16 = (
     (0, 13), (1, 12), (2, 15), (3, 14), (4, 8), (5, 6), (7, 11), (9, 10),
     (0, 5), (1, 7), (2, 9), (3, 4), (6, 13), (8, 14), (10, 15), (11, 12),
     (0, 1), (2, 3), (4, 5), (6, 8), (7, 9), (10, 11), (12, 13), (14, 15),
@@ -68,6 +66,9 @@ _SORT16 = (
     (3, 4), (5, 6), (7, 8), (9, 10), (11, 12),
     (6, 7), (8, 9),
 )  # fmt: skip
+"""A minimal-size (60 comparators, 10 layers) sorting network for 16 inputs (M. W. Green),
+checked exhaustively by the 0-1 principle in the tests. Comparator ``(i, j)``, ``i < j``, leaves
+the minimum on wire ``i`` and the maximum on wire ``j``: it sorts the greedy's 16 keys per tile."""
 
 # Fast path: |w| as an order-preserving integer (the IEEE bits without the sign), a key
 # dtype twice as wide, the mask that clears the sign, and the bits to which every NaN is
@@ -165,27 +166,27 @@ def _greedy_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
 
 @functools.cache
 def _last_writes() -> tuple[tuple[bool, bool], ...]:
-    """For each comparator of ``_SORT16``: is it the last to write its (low, high) wire?"""
+    """For each comparator of ``SORTING_NETWORK_16``: is it the last to write its (low, high) wire?"""
     last: dict[int, tuple[int, int]] = {}
-    for index, (i, j) in enumerate(_SORT16):
+    for index, (i, j) in enumerate(SORTING_NETWORK_16):
         last[i], last[j] = (index, 0), (index, 1)
     return tuple(
         (last[i] == (index, 0), last[j] == (index, 1))
-        for index, (i, j) in enumerate(_SORT16)
+        for index, (i, j) in enumerate(SORTING_NETWORK_16)
     )
 
 
 def _sort_columns(keys: Tensor, spare: list[Tensor], out: Tensor) -> None:
     """Sort every column of ``keys`` (16, n) into ``out`` (16, n), descending.
 
-    One ``minimum`` and one ``maximum`` per comparator of ``_SORT16``, each over a
+    One ``minimum`` and one ``maximum`` per comparator of ``SORTING_NETWORK_16``, each over a
     contiguous row: for the small rows used on the CPU, faster than batching comparators
     over strided views. Rows of ``keys`` and the two ``spare`` rows serve as scratch; the
     last write to each wire goes straight to ``out`` (reversed: largest in row 0).
     """
     wires = list(keys.unbind(0))
     free = list(spare)
-    for (i, j), (last_i, last_j) in zip(_SORT16, _last_writes()):
+    for (i, j), (last_i, last_j) in zip(SORTING_NETWORK_16, _last_writes()):
         lo = out[15 - i] if last_i else free.pop()
         hi = out[15 - j] if last_j else free.pop()
         torch.minimum(wires[i], wires[j], out=lo)
