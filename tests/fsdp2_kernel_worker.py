@@ -318,6 +318,78 @@ def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
     }
 
 
+SAVED_MODES = ("runtime", "stored", "stored unpacked")
+
+
+def saved_for_backward() -> dict[str, Any]:
+    """What each 2:4 layer's cuSPARSELt ops save for the backward under FSDP2 (a 2-layer
+    model, ``fully_shard`` per layer, resharded after the forward), seen by
+    ``saved_tensors_hooks`` and read between the forward and the backward: per layer, each
+    saved tensor of at least a quarter of the weight's elements as ``[shape, bytes its storage
+    holds then, what it is]``. Modes: ``runtime`` (projected in the forward), ``stored`` (a
+    stored mask, packed at its positions) and ``stored unpacked`` (a stored mask at a shape
+    treated as one our packer does not know); each with a bf16 ``MixedPrecisionPolicy`` and
+    under autocast (float32 gathered weights)."""
+    from lightning_sparse.masks.tiles import transposable_2to4_mask
+
+    found: dict[str, Any] = {}
+    for precision in ("mixed precision policy", "autocast"):
+        for mode in SAVED_MODES:
+            with pytest.MonkeyPatch.context() as patch:
+                if mode == "stored unpacked":
+                    patch.setattr(ss, "packs_stored_masks", lambda shape: False)
+                found[f"{mode}, {precision}"] = _saved(
+                    precision == "autocast", mode != "runtime", transposable_2to4_mask
+                )
+    return found
+
+
+def _saved(autocast: bool, stored: bool, choose: Any) -> dict[str, list]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(INPUTS, HIDDEN), nn.Linear(HIDDEN, OUTPUTS))
+    dtype = None if autocast else torch.bfloat16
+    policy = MixedPrecisionPolicy(param_dtype=dtype)
+    for layer in net:
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(net, mp_policy=policy)
+    held: dict[
+        int, str
+    ] = {}  # storages kept anyway: the stored masks and their packings
+    current: list[str] = []
+    for name, layer in net.named_children():
+        mask = choose(gather_full(layer.weight.detach())) if stored else None
+        ss.install_semi_structured_forward(layer, "cusparselt", mask)
+        packing = layer._ls_packing
+        for t in [mask, *(packing.op_arguments() if packing else ())]:
+            if t is not None:
+                held[t.untyped_storage().data_ptr()] = "stored mask"
+        layer.register_forward_pre_hook(lambda m, args, name=name: current.append(name))
+    saved: dict[str, list[torch.Tensor]] = {
+        name: [] for name, _ in net.named_children()
+    }
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[current[-1]].append(t)
+        return t
+
+    x = torch.randn(8, INPUTS, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        net(x).float().sum().backward()  # a first step: the kernel check runs before it
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = net(x)
+    found = {}
+    for name, layer in net.named_children():
+        numel = layer.weight.numel()
+        found[name] = [
+            [list(t.shape), t.untyped_storage().nbytes(), held.get(storage, "")]
+            for t in saved[name]
+            if t.numel() >= numel // 4
+            for storage in [t.untyped_storage().data_ptr()]
+        ]
+    out.float().sum().backward()
+    return found
+
+
 def tensor_parallel() -> str:
     """A weight sharded as a DTensor without FSDP2 (as tensor parallelism does): its
     forward would multiply a DTensor, which the 2:4 kernels do not take."""
@@ -355,6 +427,7 @@ def main() -> None:
                     cfg, run, where / "resumed", kernel, str(ckpt)
                 )
         report["llama_demo"] = llama_demo(out / "llama_demo", kernel)
+        report["saved_for_backward"] = saved_for_backward()
         report["speed_shapes"] = speed_shapes()
         report["agreed_kernel_checks"] = agreed_kernel_checks()
         report["tensor_parallel"] = tensor_parallel()

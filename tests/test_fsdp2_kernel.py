@@ -227,6 +227,26 @@ def test_fsdp2_kernel_runs_on_every_mlp_of_the_llama_cpu_demo_recipe(job):
         assert 4.0 < demo["loss"] < 6.0  # log(256) = 5.5: untrained
 
 
+@pytest.mark.parametrize("precision", ["mixed precision policy", "autocast"])
+@pytest.mark.parametrize("mode", ["runtime", "stored", "stored unpacked"])
+def test_fsdp2_kernel_saves_no_weight_sized_tensor_of_its_own(job, mode, precision):
+    """Between a layer's forward and its backward, of the tensors its 2:4 ops saved, those of
+    at least a quarter of its weight's elements are FSDP2's own gathered parameter (its
+    storage freed after the forward: 0 bytes; gathered again for the backward) and, with a
+    stored mask, that mask and its packing (kept by the layer anyway); no pruned, packed or
+    cast copy of the weight."""
+    weights = {"0": [384, 128], "1": [256, 384]}  # the worker's two layers
+    for report in job:
+        saved = report["saved_for_backward"][f"{mode}, {precision}"]
+        assert sorted(saved) == ["0", "1"]
+        for layer, tensors in saved.items():
+            own = [t for t in tensors if t[2] != "stored mask"]
+            assert own == [[weights[layer], 0, ""]], (layer, tensors)
+            kept = [t for t in tensors if t[2] == "stored mask"]
+            # the whole mask; with a packing, also its keys for W and W.T
+            assert len(kept) == {"runtime": 0, "stored": 3, "stored unpacked": 1}[mode]
+
+
 def test_fsdp2_kernel_is_refused_for_a_dtensor_the_forward_sees(job):
     """A weight sharded without FSDP2 (tensor parallelism) reaches the forward as a
     DTensor: masked math, and the table says why."""

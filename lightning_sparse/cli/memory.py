@@ -18,10 +18,10 @@ state are not), in each sparse phase, from what the engine keeps (see
 - **until backward**: a straight-through forward multiplies a new tensor, the weight times its
   mask, which autograd keeps from the forward to the backward: the whole weight in the matmul
   dtype, per layer, on every rank (under FSDP2 too: the gathered weight is freed after the
-  forward, this copy is not). A weight projected in the forward of the cuSPARSELt kernel keeps
-  its pruned transpose packed for the input gradient instead (9/16 of it), and on CUTLASS its
-  pruned copy. A stored mask on a 2:4 kernel and a hard mask on masked math multiply the
-  weight itself, and keep none.
+  forward, this copy is not); on CUTLASS its pruned copy. The cuSPARSELt ops save the weight
+  itself (under FSDP2 its gathered parameter, freed after the forward) and make the pruned
+  ``W.T`` again in the backward, and a hard mask on masked math multiplies the weight itself:
+  they keep none.
 - **at a mask choice**: transient, at the phase start and each mask update: under FSDP2 every
   selected weight is gathered whole at once (its stored dtype) with its mask (1 byte), to choose
   masks on whole tensors.
@@ -90,9 +90,8 @@ def phase_memory(
             stored = not algo.projects and (algo.straight_through or kernel)
             if algo.projects or (algo.straight_through and not kernel):
                 dtype = compute_dtype or t.param.dtype
-                kept = numel[t.name] * dtype.itemsize
-                packed = algo.projects and kernel and choice.kernel == "cusparselt"
-                saved += kept * 9 // 16 if packed else kept
+                if not (kernel and choice.kernel == "cusparselt"):  # its ops save W
+                    saved += numel[t.name] * dtype.itemsize
             if stored and shards > 1:
                 whole += numel[t.name]
             rows = tuple(t.layer.to_rows(t.param).shape)
