@@ -18,6 +18,8 @@ small checks without Lightning follow (:func:`speed_shapes`, :func:`agreed_kerne
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import json
 import os
 import sys
@@ -390,6 +392,53 @@ def _saved(autocast: bool, stored: bool, choose: Any) -> dict[str, list]:
     return found
 
 
+MASK_CHOICE_WIDTHS = (128, 384, 256, 384, 128)  # 4 Linears, the largest 256x384
+
+
+def mask_choice_peak() -> dict[str, Any]:
+    """The bytes a mask choice holds at once (:class:`PeakBytes`) for 4 Linear weights in a
+    ``gmp`` phase (hard masks), sharded by FSDP2 and, as the reference, the same model
+    unsharded: at the phase start (step 0) and at the update of step 1 (after a backward: the
+    weights have gradients); each with what is still held when it ends, and the whole bytes of
+    each layer's weight."""
+    torch.manual_seed(0)
+    widths = MASK_CHOICE_WIDTHS
+    net = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    plain = copy.deepcopy(net)
+    for layer in net:
+        fully_shard(layer)
+    fully_shard(net)
+    x = torch.randn(4, widths[0])
+    found: dict[str, Any] = {"weights": [layer.weight.nbytes for layer in plain]}
+    for name, model in (("sharded", net), ("plain", plain)):
+        found[name] = _mask_choice_peaks(model, x)
+    return found
+
+
+def _mask_choice_peaks(net: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    from lightning_sparse.engine.memory_census import PeakBytes
+    from lightning_sparse.engine.sparsifier import Sparsifier
+
+    targets = select_parameters(net, params=["*.weight"]).targets
+    phase = Phase(sparsity=0.5, algorithm="gmp", initial_sparsity=0.25, update_every=1)
+    sp = Sparsifier("peak", targets, resolve_phases([phase], 10))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with PeakBytes() as start:
+        sp.on_step_start(0, [optimizer])
+    net(x).sum().backward()
+    sp.on_step_start(1, [optimizer])
+    with PeakBytes() as update:
+        updated = sp.before_optimizer_step(1, optimizer, [optimizer])
+    masks = {n: tensor_hash(m) for n, m in sorted(sp.state_dict()["masks"].items())}
+    sp.close()
+    return {
+        "start": [start.peak, start.held],
+        "update": [update.peak, update.held],
+        "updated": updated,
+        "masks": masks,
+    }
+
+
 def tensor_parallel() -> str:
     """A weight sharded as a DTensor without FSDP2 (as tensor parallelism does): its
     forward would multiply a DTensor, which the 2:4 kernels do not take."""
@@ -428,6 +477,7 @@ def main() -> None:
                 )
         report["llama_demo"] = llama_demo(out / "llama_demo", kernel)
         report["saved_for_backward"] = saved_for_backward()
+        report["mask_choice_peak"] = mask_choice_peak()
         report["speed_shapes"] = speed_shapes()
         report["agreed_kernel_checks"] = agreed_kernel_checks()
         report["tensor_parallel"] = tensor_parallel()

@@ -247,6 +247,24 @@ def test_fsdp2_kernel_saves_no_weight_sized_tensor_of_its_own(job, mode, precisi
             assert len(kept) == {"runtime": 0, "stored": 3, "stored unpacked": 1}[mode]
 
 
+def test_fsdp2_mask_choice_gathers_one_layer_at_a_time(job):
+    """Choosing masks for weights sharded by FSDP2 holds, beyond what the same choice holds
+    unsharded (the algorithm's own work on a layer, the masks), at most one layer's whole
+    weight and mask at once (and its gradient, at an update): not every layer's at once. The
+    masks are those chosen unsharded."""
+    for report in job:
+        peak = report["mask_choice_peak"]
+        sharded, plain = peak["sharded"], peak["plain"]
+        largest = max(peak["weights"])  # float32: 4 bytes a weight, its mask 1
+        one_layer = largest + largest // 4
+        assert sharded["start"][0] <= plain["start"][0] + one_layer
+        assert sharded["update"][0] <= plain["update"][0] + one_layer + largest
+        # every layer's whole weight at once would not fit under these bounds
+        assert sum(peak["weights"]) > one_layer + largest
+        assert sharded["updated"] and plain["updated"]
+        assert sharded["masks"] == plain["masks"]
+
+
 def test_fsdp2_kernel_is_refused_for_a_dtensor_the_forward_sees(job):
     """A weight sharded without FSDP2 (tensor parallelism) reaches the forward as a
     DTensor: masked math, and the table says why."""
