@@ -294,6 +294,101 @@ def agreed_kernel_checks() -> dict[str, Any]:
     return {"name": choice.name, "reason": choice.reason}
 
 
+class MemoryCensus(L.Callback):
+    """Placed after the SparsityCallback: this rank's bytes (by storage,
+    :mod:`~lightning_sparse.engine.memory_census`) of what plan counts, measured at optimizer
+    step ``step`` of a sparse phase (the items of :class:`~lightning_sparse.cli.memory.PhaseMemory`),
+    and the plan's prediction for the same sparsifier (``phase_memory``, 2 shards, bf16
+    matmuls). The mask choice at the phase start is measured by :class:`HeldBytes` over the
+    weights the engine gathers and the masks the algorithm returns."""
+
+    def __init__(self, patch: pytest.MonkeyPatch, step: int) -> None:
+        from lightning_sparse.engine import sparsifier as engine
+        from lightning_sparse.engine.memory_census import HeldBytes
+
+        self.step, self.found, self.choice = step, {}, HeldBytes()
+        self.saved: list[torch.Tensor] = []
+        self.inputs: set[int] = set()
+        self.inside = 0
+        gather = engine.gather_full
+        patch.setattr(engine, "gather_full", lambda t: self.choice.add(gather(t)))
+        self.patch = patch
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+        self.sparsity = cb
+        for algo in cb.sparsifier.algorithms.values():
+            choose = algo.initial_mask
+            self.patch.setattr(
+                algo, "initial_mask", lambda *a, c=choose: self.choice.add(c(*a))
+            )
+        for t in cb.sparsifier.targets:
+            t.module.register_forward_pre_hook(self._enter)
+            t.module.register_forward_hook(self._leave)
+
+    def _enter(self, module, args) -> None:
+        self.inside += 1
+        self.inputs.add(args[0].untyped_storage().data_ptr())
+
+    def _leave(self, module, args, output) -> None:
+        self.inside -= 1
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.inside:
+            self.saved.append(t)
+        return t
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack, lambda t: t
+            )
+            self.hooks.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        from lightning_sparse.engine.memory_census import storage_bytes
+
+        if trainer.global_step == self.step:
+            self.hooks.__exit__(None, None, None)
+            own = [
+                t
+                for t in self.saved
+                if t.untyped_storage().data_ptr() not in self.inputs
+            ]
+            self.found["until_backward"] = storage_bytes(own)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from lightning_sparse.engine.memory_census import storage_bytes
+
+        if trainer.global_step == self.step:
+            grads = [p.grad for p in pl_module.parameters()]
+            self.found["gradients"] = storage_bytes(grads)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_sparse.cli.memory import phase_memory
+        from lightning_sparse.engine.memory_census import storage_bytes
+
+        if trainer.global_step - 1 != self.step:
+            return
+        sp = self.sparsity.sparsifier
+        (optimizer,) = trainer.optimizers
+        state = [v for s in optimizer.state.values() for v in s.values()]
+        modules = [t.module.__dict__ for t in sp.targets]
+        packings = [m.get("_ls_packing") for m in modules]
+        self.found |= {
+            "parameters": storage_bytes(pl_module.parameters()),
+            "optimizer_state": storage_bytes(v for v in state if v.dim() > 0),
+            "masks": storage_bytes(sp.masks.values()),
+            "whole_masks": storage_bytes(m.get("_ls_mask") for m in modules),
+            "packing": storage_bytes(
+                t for p in packings if p is not None for t in p.op_arguments()
+            ),
+            "at_mask_choice": self.choice.peak,
+        }
+        (predicted, _) = phase_memory(sp, 2, torch.bfloat16, pl_module.parameters())
+        self.predicted = {k: getattr(predicted, k) for k in self.found}
+
+
 def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
     """The Llama FSDP2 CPU demo recipe through the command line for 3 steps (2 on 2:4): its
     MLPs choose the kernel and run it, per step, on the weights FSDP2 gathers."""
@@ -301,6 +396,8 @@ def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
 
     kernel.calls, kernel.dtypes = {}, set()
     record = StepRecord(kernel)
+    patch = pytest.MonkeyPatch()
+    census = MemoryCensus(patch, step=1)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf" / LLAMA_DEMO
     cli = SparseCLI(
         args=[
@@ -310,9 +407,11 @@ def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
             "--trainer.limit_val_batches=0",
             f"--trainer.default_root_dir={out}",
         ],
-        trainer_defaults={"callbacks": [record]},
+        trainer_defaults={"callbacks": [record, census]},
     )
+    patch.undo()
     return {
+        "memory": {"measured": census.found, "predicted": census.predicted},
         "choices": record.choices,
         "calls": {step: record.steps[step]["calls"] for step in record.steps},
         "kernel_dtypes": sorted(kernel.dtypes),
@@ -439,6 +538,27 @@ def _mask_choice_peaks(net: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def llama_demo_memory(out: Path) -> dict[str, Any]:
+    """The Llama FSDP2 CPU demo recipe as it runs on the CPU (masked math), 2 steps: this
+    rank's memory measured at step 0 (:class:`MemoryCensus`) and as plan predicts it."""
+    from lightning_sparse.cli.main import SparseCLI
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf" / LLAMA_DEMO
+    with pytest.MonkeyPatch.context() as patch:
+        census = MemoryCensus(patch, step=0)
+        SparseCLI(
+            args=[
+                "fit",
+                f"--config={recipe}",
+                "--trainer.max_steps=2",
+                "--trainer.limit_val_batches=0",
+                f"--trainer.default_root_dir={out}",
+            ],
+            trainer_defaults={"callbacks": [census]},
+        )
+    return {"measured": census.found, "predicted": census.predicted}
+
+
 def tensor_parallel() -> str:
     """A weight sharded as a DTensor without FSDP2 (as tensor parallelism does): its
     forward would multiply a DTensor, which the 2:4 kernels do not take."""
@@ -481,6 +601,7 @@ def main() -> None:
         report["speed_shapes"] = speed_shapes()
         report["agreed_kernel_checks"] = agreed_kernel_checks()
         report["tensor_parallel"] = tensor_parallel()
+    report["llama_demo_masked"] = llama_demo_memory(out / "llama_demo_masked")
     rank = int(os.environ["LOCAL_RANK"])
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 

@@ -14,10 +14,13 @@ Select these tests with ``pytest -k "fsdp2 and kernel"``.
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from multiprocess import run_workers
 
 PHASES = [
@@ -263,6 +266,64 @@ def test_fsdp2_mask_choice_gathers_one_layer_at_a_time(job):
         assert sum(peak["weights"]) > one_layer + largest
         assert sharded["updated"] and plain["updated"]
         assert sharded["masks"] == plain["masks"]
+
+
+MEMORY_ITEMS = [
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "masks",
+    "whole_masks",
+    "packing",
+    "until_backward",
+    "at_mask_choice",
+]
+
+
+@pytest.mark.parametrize("run", ["llama_demo", "llama_demo_masked"])
+def test_fsdp2_memory_per_rank_measured_matches_the_plan(job, run, capsys):
+    """The Llama CPU demo recipe on 2 ranks (on the kernel path, and as it runs on the CPU:
+    masked math): each rank's bytes of parameters, gradients, AdamW state, mask shards, whole
+    masks and packing, what the sparsity path adds to the saved activations, and the mask
+    choice's transient, counted by storage, are what the plan predicts, within 10%; the
+    plan's table for the recipe on 2 devices prints the same."""
+    for report in job:
+        memory = report[run]["memory"] if run == "llama_demo" else report[run]
+        measured, predicted = memory["measured"], memory["predicted"]
+        assert sorted(measured) == sorted(MEMORY_ITEMS)
+        for item in MEMORY_ITEMS:
+            assert abs(measured[item] - predicted[item]) <= 0.1 * predicted[item], item
+        # masked math keeps the bf16 weight times its mask of each of the 6 MLP layers
+        # (128x384) until the backward; the kernel path saves FSDP2's own weight
+        saved = 6 * 128 * 384 * 2 if run == "llama_demo_masked" else 0
+        assert measured["until_backward"] == saved
+        assert (
+            measured["at_mask_choice"] == 128 * 384 * 5
+        )  # one float32 layer, its mask
+    out = plan_demo(capsys)
+    row = re.split(r"\s{2,}", out.split("memory per rank", 1)[1].split("phase 1", 1)[1])
+    measured = job[0]["llama_demo_masked"]["measured"]
+    assert row[1:5] == [
+        f"{measured[k] / 2**20:.1f}"
+        for k in ("parameters", "gradients", "optimizer_state", "masks")
+    ]
+
+
+def plan_demo(capsys) -> str:
+    """``lightning-sparse plan`` of the CPU demo recipe."""
+    from lightning_sparse.cli.main import SparseCLI
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf"
+    with pytest.MonkeyPatch.context() as patch, torch.device("meta"):
+        patch.setattr(sys, "argv", ["lightning-sparse"])
+        SparseCLI(
+            args=[
+                "plan",
+                f"--config={recipe / 'llama_1b_fsdp2_cpu_demo.yaml'}",
+                "--plot=false",
+            ]
+        )
+    return capsys.readouterr().out
 
 
 def test_fsdp2_kernel_is_refused_for_a_dtensor_the_forward_sees(job):

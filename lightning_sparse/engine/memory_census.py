@@ -6,6 +6,7 @@ with ``resize_(0)``, counts 0):
 
 - :func:`storage_bytes`: the bytes of the storages of some tensors now (a census: parameters,
   masks, optimizer state);
+- :class:`HeldBytes`: the most bytes held at once by chosen tensors, counted as each is added;
 - :class:`PeakBytes`: inside the block, the largest number of bytes held at once by tensors
   that operators made inside it (a new storage: not one of the operator's inputs', so views and
   in-place results do not count), checked after each operator; ``held`` is what is still alive
@@ -73,6 +74,37 @@ def _storage(tensor: Tensor) -> torch.UntypedStorage:
     return local.untyped_storage()
 
 
+class HeldBytes:
+    """The most bytes held at once by the tensors given to :meth:`add` (each counted by its
+    storage while a tensor using it is alive), counted at each :meth:`add`: for the bytes that
+    some chosen tensors (gathered weights, new masks) hold together, without the scratch of the
+    code between.
+
+    Example:
+        >>> held = HeldBytes()
+        >>> a = held.add(torch.zeros(100))                   # 400 bytes
+        >>> b = held.add(torch.zeros(10, dtype=torch.bool))  # 10 more
+        >>> del a
+        >>> _ = held.add(b.view(2, 5))                       # the same storage: still 10
+        >>> held.peak, held.held
+        (410, 10)
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.held = 0
+        self._refs: list[weakref.ref[Tensor]] = []
+
+    def add(self, tensor: Tensor) -> Tensor:
+        """Count ``tensor`` from now on (while it is alive); returns it."""
+        self._refs = [ref for ref in self._refs if ref() is not None]
+        self._refs.append(weakref.ref(tensor))
+        alive = [t for t in (ref() for ref in self._refs) if t is not None]
+        self.held = storage_bytes(alive)
+        self.peak = max(self.peak, self.held)
+        return tensor
+
+
 class PeakBytes(TorchDispatchMode):
     """The peak and the end count of bytes held by tensors made inside the block (see the
     module docstring)."""
@@ -114,4 +146,4 @@ class PeakBytes(TorchDispatchMode):
         self._count()
 
 
-__all__ = ["PeakBytes", "storage_bytes"]
+__all__ = ["HeldBytes", "PeakBytes", "storage_bytes"]
