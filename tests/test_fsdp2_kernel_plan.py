@@ -172,3 +172,18 @@ def test_plan_says_whether_each_phase_of_a_7b_llama_on_8_ranks_fits_80_gib(capsy
         assert row[-1] == f"yes: {need:.1f} GiB, {80 - need:.1f} left"
     assert rows["phase 1"][3] == f"{masks / MIB:.1f}"
     assert rows["phase 1"][9] == f"+{one_layer / MIB:.1f} (transient)"
+
+
+@pytest.mark.parametrize("cusparselt", [True, False], ids=["cuSPARSELt", "CUTLASS"])
+def test_until_backward_counts_the_pruned_copy_on_cutlass_only(monkeypatch, cusparselt):
+    """``runtime`` 2:4 on an A100: the cuSPARSELt ops save the weight itself; CUTLASS's
+    forward keeps its pruned copy in the matmul dtype (bf16) until the backward."""
+    pretend_gpu(monkeypatch, (8, 0), cusparselt=cusparselt)
+    net = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+    phases = resolve_phases([Phase(sparsity="2:4")], 100)
+    sp = Sparsifier("g", targets, phases, compute_dtype=torch.bfloat16)
+    kernel = "cusparselt" if cusparselt else "cutlass"
+    assert {c.kernel for c in sp.backends.values()} == {kernel}
+    (memory,) = phase_memory(sp, 8, torch.bfloat16)
+    assert memory.until_backward == (0 if cusparselt else 2 * 1024 * 4096 * 2)
