@@ -15,9 +15,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_sparse.backends import capability, kernel_check
 from lightning_sparse.backends.semi_structured import EMULATED
+from lightning_sparse.engine.memory_census import storage_bytes
 
 
 def median(values: Sequence[float]) -> float:
@@ -33,19 +35,17 @@ def mean_std_cell(values: Sequence[float]) -> str:
 
 def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage reachable from Python (params, grads, optimizer
-    state, masks, buffers, cached tensors), after a full garbage collection. Differences between
+    state, masks, buffers, cached tensors; a DTensor's local shard), after a full garbage
+    collection. Differences between
     variants measured at the same point of the same loop are the variants' extra memory."""
     gc.collect()
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if (
-            isinstance(obj, torch.Tensor)
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-        ):
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return storage_bytes(
+        obj
+        for obj in gc.get_objects()
+        if type(obj) in (torch.Tensor, torch.nn.Parameter, DTensor)  # not fake ones
+        and obj.device.type == "cpu"
+        and obj.layout == torch.strided
+    )
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

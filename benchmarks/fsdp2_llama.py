@@ -18,7 +18,10 @@ layer must run cuSPARSELt, or it stops). The 2:4 runs put the MLP weights in a `
 phase through the engine, as ``SparsityCallback`` does. Reported: the kernel run's losses
 against the masked run's over the first steps (largest relative difference, PASS within the
 kernel check's tolerance), the median step time (CUDA events after warm-up) and its ratio
-against dense in the same run, peak memory, the backend table and the kernel checks.
+against dense in the same run, peak memory per rank over the first steps (the phase start
+among them; on a GPU ``torch.cuda.max_memory_allocated``, on the CPU what was alive before
+them plus the most they held at once, counted by storage:
+:mod:`lightning_sparse.engine.memory_census`), the backend table and the kernel checks.
 
 Without a CUDA GPU of capability 8.0+ it says so and exits 0. ``--cpu-smoke`` runs a tiny
 block through the same code on the CPU (gloo; ``backend="auto"``, which is masked math there;
@@ -28,6 +31,7 @@ block through the same code on the CPU (gloo; ``backend="auto"``, which is maske
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import os
@@ -46,6 +50,7 @@ from common import (
     Timer,
     benchmark_device,
     kernel_check_table,
+    live_tensor_bytes,
     markdown_table,
 )
 
@@ -53,7 +58,9 @@ from lightning_sparse.backends.kernel_check import TOLERANCE, relative_error
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.demo.fsdp2 import shard_per_block
+from lightning_sparse.engine.memory_census import PeakBytes
 from lightning_sparse.engine.sparsifier import Sparsifier
+from lightning_sparse.masks.tiles import greedy_2to4_mask
 
 RECIPE = (
     Path(__file__).resolve().parents[1]
@@ -127,9 +134,13 @@ def run(variant: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    before = 0 if cuda else live_tensor_bytes()  # the model, its shards, the inputs
     try:
-        for _ in range(args.compare):
-            step()
+        # the CPU's accounting: what was alive before, and the most the steps (the phase start
+        # and the optimizer's state among them) held at once on top of it
+        with contextlib.nullcontext() if cuda else PeakBytes() as counted:
+            for _ in range(args.compare):
+                step()
         ms = Timer(device, args.repeats, args.warmup)(step)
         reasons = (
             {c.reason for c in sparsifier.backends.values()} if sparsifier else set()
@@ -142,7 +153,9 @@ def run(variant: str, args: argparse.Namespace, device: torch.device) -> dict:
     finally:
         if sparsifier is not None:
             sparsifier.close()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    peak = (
+        torch.cuda.max_memory_allocated() if cuda else before + counted.peak
+    ) / 2**30
     return {
         "variant": variant,
         "losses": losses,
@@ -202,6 +215,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     rank0, world = dist.get_rank() == 0, dist.get_world_size()
+    if (
+        device.type == "cpu"
+    ):  # the mask code's tables, built once a process: before any run
+        greedy_2to4_mask(torch.ones(128, 128))
     results = []
     for variant in VARIANTS:
         results.append(run(variant, args, device))
@@ -228,12 +245,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r["variant"],
             f"{r['ms']:.1f}",
             f"{dense['ms'] / r['ms']:.2f}x",
-            "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}",
+            f"{r['peak_gib'] * 2**10:.1f}",
             str(r["kernel_layers"]),
         ]
         for r in results
     ]
-    header = ["run", "ms per step", "vs dense", "peak GiB", "MLP layers on 2:4 kernels"]
+    memory = "max_memory_allocated" if device.type == "cuda" else "CPU accounting"
+    header = [
+        "run",
+        "ms per step",
+        "vs dense",
+        f"peak MiB per rank ({memory})",
+        "MLP layers on 2:4 kernels",
+    ]
     print(markdown_table(header, rows) + "\n")
     print(
         f"kernel run against masked run, losses of the first {args.compare} steps: largest "

@@ -18,6 +18,8 @@ small checks without Lightning follow (:func:`speed_shapes`, :func:`agreed_kerne
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import json
 import os
 import sys
@@ -292,6 +294,101 @@ def agreed_kernel_checks() -> dict[str, Any]:
     return {"name": choice.name, "reason": choice.reason}
 
 
+class MemoryCensus(L.Callback):
+    """Placed after the SparsityCallback: this rank's bytes (by storage,
+    :mod:`~lightning_sparse.engine.memory_census`) of what plan counts, measured at optimizer
+    step ``step`` of a sparse phase (the items of :class:`~lightning_sparse.cli.memory.PhaseMemory`),
+    and the plan's prediction for the same sparsifier (``phase_memory``, 2 shards, bf16
+    matmuls). The mask choice at the phase start is measured by :class:`HeldBytes` over the
+    weights the engine gathers and the masks the algorithm returns."""
+
+    def __init__(self, patch: pytest.MonkeyPatch, step: int) -> None:
+        from lightning_sparse.engine import sparsifier as engine
+        from lightning_sparse.engine.memory_census import HeldBytes
+
+        self.step, self.found, self.choice = step, {}, HeldBytes()
+        self.saved: list[torch.Tensor] = []
+        self.inputs: set[int] = set()
+        self.inside = 0
+        gather = engine.gather_full
+        patch.setattr(engine, "gather_full", lambda t: self.choice.add(gather(t)))
+        self.patch = patch
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+        self.sparsity = cb
+        for algo in cb.sparsifier.algorithms.values():
+            choose = algo.initial_mask
+            self.patch.setattr(
+                algo, "initial_mask", lambda *a, c=choose: self.choice.add(c(*a))
+            )
+        for t in cb.sparsifier.targets:
+            t.module.register_forward_pre_hook(self._enter)
+            t.module.register_forward_hook(self._leave)
+
+    def _enter(self, module, args) -> None:
+        self.inside += 1
+        self.inputs.add(args[0].untyped_storage().data_ptr())
+
+    def _leave(self, module, args, output) -> None:
+        self.inside -= 1
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.inside:
+            self.saved.append(t)
+        return t
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack, lambda t: t
+            )
+            self.hooks.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        from lightning_sparse.engine.memory_census import storage_bytes
+
+        if trainer.global_step == self.step:
+            self.hooks.__exit__(None, None, None)
+            own = [
+                t
+                for t in self.saved
+                if t.untyped_storage().data_ptr() not in self.inputs
+            ]
+            self.found["until_backward"] = storage_bytes(own)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from lightning_sparse.engine.memory_census import storage_bytes
+
+        if trainer.global_step == self.step:
+            grads = [p.grad for p in pl_module.parameters()]
+            self.found["gradients"] = storage_bytes(grads)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_sparse.cli.memory import phase_memory
+        from lightning_sparse.engine.memory_census import storage_bytes
+
+        if trainer.global_step - 1 != self.step:
+            return
+        sp = self.sparsity.sparsifier
+        (optimizer,) = trainer.optimizers
+        state = [v for s in optimizer.state.values() for v in s.values()]
+        modules = [t.module.__dict__ for t in sp.targets]
+        packings = [m.get("_ls_packing") for m in modules]
+        self.found |= {
+            "parameters": storage_bytes(pl_module.parameters()),
+            "optimizer_state": storage_bytes(v for v in state if v.dim() > 0),
+            "masks": storage_bytes(sp.masks.values()),
+            "whole_masks": storage_bytes(m.get("_ls_mask") for m in modules),
+            "packing": storage_bytes(
+                t for p in packings if p is not None for t in p.op_arguments()
+            ),
+            "at_mask_choice": self.choice.peak,
+        }
+        (predicted, _) = phase_memory(sp, 2, torch.bfloat16, pl_module.parameters())
+        self.predicted = {k: getattr(predicted, k) for k in self.found}
+
+
 def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
     """The Llama FSDP2 CPU demo recipe through the command line for 3 steps (2 on 2:4): its
     MLPs choose the kernel and run it, per step, on the weights FSDP2 gathers."""
@@ -299,6 +396,8 @@ def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
 
     kernel.calls, kernel.dtypes = {}, set()
     record = StepRecord(kernel)
+    patch = pytest.MonkeyPatch()
+    census = MemoryCensus(patch, step=1)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf" / LLAMA_DEMO
     cli = SparseCLI(
         args=[
@@ -308,14 +407,156 @@ def llama_demo(out: Path, kernel: KernelCalls) -> dict[str, Any]:
             "--trainer.limit_val_batches=0",
             f"--trainer.default_root_dir={out}",
         ],
-        trainer_defaults={"callbacks": [record]},
+        trainer_defaults={"callbacks": [record, census]},
     )
+    patch.undo()
     return {
+        "memory": {"measured": census.found, "predicted": census.predicted},
         "choices": record.choices,
         "calls": {step: record.steps[step]["calls"] for step in record.steps},
         "kernel_dtypes": sorted(kernel.dtypes),
         "loss": float(cli.trainer.callback_metrics["train/loss"]),
     }
+
+
+SAVED_MODES = ("runtime", "stored", "stored unpacked")
+
+
+def saved_for_backward() -> dict[str, Any]:
+    """What each 2:4 layer's cuSPARSELt ops save for the backward under FSDP2 (a 2-layer
+    model, ``fully_shard`` per layer, resharded after the forward), seen by
+    ``saved_tensors_hooks`` and read between the forward and the backward: per layer, each
+    saved tensor of at least a quarter of the weight's elements as ``[shape, bytes its storage
+    holds then, what it is]``. Modes: ``runtime`` (projected in the forward), ``stored`` (a
+    stored mask, packed at its positions) and ``stored unpacked`` (a stored mask at a shape
+    treated as one our packer does not know); each with a bf16 ``MixedPrecisionPolicy`` and
+    under autocast (float32 gathered weights)."""
+    from lightning_sparse.masks.tiles import transposable_2to4_mask
+
+    found: dict[str, Any] = {}
+    for precision in ("mixed precision policy", "autocast"):
+        for mode in SAVED_MODES:
+            with pytest.MonkeyPatch.context() as patch:
+                if mode == "stored unpacked":
+                    patch.setattr(ss, "packs_stored_masks", lambda shape: False)
+                found[f"{mode}, {precision}"] = _saved(
+                    precision == "autocast", mode != "runtime", transposable_2to4_mask
+                )
+    return found
+
+
+def _saved(autocast: bool, stored: bool, choose: Any) -> dict[str, list]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(INPUTS, HIDDEN), nn.Linear(HIDDEN, OUTPUTS))
+    dtype = None if autocast else torch.bfloat16
+    policy = MixedPrecisionPolicy(param_dtype=dtype)
+    for layer in net:
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(net, mp_policy=policy)
+    held: dict[
+        int, str
+    ] = {}  # storages kept anyway: the stored masks and their packings
+    current: list[str] = []
+    for name, layer in net.named_children():
+        mask = choose(gather_full(layer.weight.detach())) if stored else None
+        ss.install_semi_structured_forward(layer, "cusparselt", mask)
+        packing = layer._ls_packing
+        for t in [mask, *(packing.op_arguments() if packing else ())]:
+            if t is not None:
+                held[t.untyped_storage().data_ptr()] = "stored mask"
+        layer.register_forward_pre_hook(lambda m, args, name=name: current.append(name))
+    saved: dict[str, list[torch.Tensor]] = {
+        name: [] for name, _ in net.named_children()
+    }
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[current[-1]].append(t)
+        return t
+
+    x = torch.randn(8, INPUTS, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        net(x).float().sum().backward()  # a first step: the kernel check runs before it
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = net(x)
+    found = {}
+    for name, layer in net.named_children():
+        numel = layer.weight.numel()
+        found[name] = [
+            [list(t.shape), t.untyped_storage().nbytes(), held.get(storage, "")]
+            for t in saved[name]
+            if t.numel() >= numel // 4
+            for storage in [t.untyped_storage().data_ptr()]
+        ]
+    out.float().sum().backward()
+    return found
+
+
+MASK_CHOICE_WIDTHS = (128, 384, 256, 384, 128)  # 4 Linears, the largest 256x384
+
+
+def mask_choice_peak() -> dict[str, Any]:
+    """The bytes a mask choice holds at once (:class:`PeakBytes`) for 4 Linear weights in a
+    ``gmp`` phase (hard masks), sharded by FSDP2 and, as the reference, the same model
+    unsharded: at the phase start (step 0) and at the update of step 1 (after a backward: the
+    weights have gradients); each with what is still held when it ends, and the whole bytes of
+    each layer's weight."""
+    torch.manual_seed(0)
+    widths = MASK_CHOICE_WIDTHS
+    net = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    plain = copy.deepcopy(net)
+    for layer in net:
+        fully_shard(layer)
+    fully_shard(net)
+    x = torch.randn(4, widths[0])
+    found: dict[str, Any] = {"weights": [layer.weight.nbytes for layer in plain]}
+    for name, model in (("sharded", net), ("plain", plain)):
+        found[name] = _mask_choice_peaks(model, x)
+    return found
+
+
+def _mask_choice_peaks(net: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    from lightning_sparse.engine.memory_census import PeakBytes
+    from lightning_sparse.engine.sparsifier import Sparsifier
+
+    targets = select_parameters(net, params=["*.weight"]).targets
+    phase = Phase(sparsity=0.5, algorithm="gmp", initial_sparsity=0.25, update_every=1)
+    sp = Sparsifier("peak", targets, resolve_phases([phase], 10))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with PeakBytes() as start:
+        sp.on_step_start(0, [optimizer])
+    net(x).sum().backward()
+    sp.on_step_start(1, [optimizer])
+    with PeakBytes() as update:
+        updated = sp.before_optimizer_step(1, optimizer, [optimizer])
+    masks = {n: tensor_hash(m) for n, m in sorted(sp.state_dict()["masks"].items())}
+    sp.close()
+    return {
+        "start": [start.peak, start.held],
+        "update": [update.peak, update.held],
+        "updated": updated,
+        "masks": masks,
+    }
+
+
+def llama_demo_memory(out: Path) -> dict[str, Any]:
+    """The Llama FSDP2 CPU demo recipe as it runs on the CPU (masked math), 2 steps: this
+    rank's memory measured at step 0 (:class:`MemoryCensus`) and as plan predicts it."""
+    from lightning_sparse.cli.main import SparseCLI
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf" / LLAMA_DEMO
+    with pytest.MonkeyPatch.context() as patch:
+        census = MemoryCensus(patch, step=0)
+        SparseCLI(
+            args=[
+                "fit",
+                f"--config={recipe}",
+                "--trainer.max_steps=2",
+                "--trainer.limit_val_batches=0",
+                f"--trainer.default_root_dir={out}",
+            ],
+            trainer_defaults={"callbacks": [census]},
+        )
+    return {"measured": census.found, "predicted": census.predicted}
 
 
 def tensor_parallel() -> str:
@@ -355,9 +596,12 @@ def main() -> None:
                     cfg, run, where / "resumed", kernel, str(ckpt)
                 )
         report["llama_demo"] = llama_demo(out / "llama_demo", kernel)
+        report["saved_for_backward"] = saved_for_backward()
+        report["mask_choice_peak"] = mask_choice_peak()
         report["speed_shapes"] = speed_shapes()
         report["agreed_kernel_checks"] = agreed_kernel_checks()
         report["tensor_parallel"] = tensor_parallel()
+    report["llama_demo_masked"] = llama_demo_memory(out / "llama_demo_masked")
     rank = int(os.environ["LOCAL_RANK"])
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 

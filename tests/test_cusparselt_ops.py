@@ -39,17 +39,19 @@ def test_the_ops_pass_opcheck(dense_stand_in):
     bias = torch.randn(128, requires_grad=True)
     w24 = (weight * transposable_2to4_mask(weight)).detach().requires_grad_()
     half = [t.detach().bfloat16().requires_grad_() for t in (x, weight, bias)]
-    torch.library.opcheck(cusparselt.linear_24_projected, (*half, True))
-    inputs = half[0].detach()  # without an input gradient: no W24.T packed
-    args = (inputs, *half[1:], False)
-    torch.library.opcheck(cusparselt.linear_24_projected, args)
-    packed_t = cusparselt_packer.compress(w24.detach().t().contiguous().bfloat16())
+    torch.library.opcheck(cusparselt.linear_24_projected, tuple(half))
+    # a float32 weight multiplied in bfloat16 (autocast's case): the op casts it
+    torch.library.opcheck(cusparselt.linear_24_projected, (half[0], weight, half[2]))
     grad = torch.randn(12, 128, dtype=torch.bfloat16)
-    args = (grad, packed_t, half[1].detach())  # not differentiable again
-    torch.library.opcheck(cusparselt.linear_24_packed_input_grad, args)
+    args = (grad, half[1].detach())  # not differentiable again
+    torch.library.opcheck(cusparselt.linear_24_projected_input_grad, args)
+    mask = transposable_2to4_mask(weight.detach())
     torch.library.opcheck(cusparselt.linear_24, (x, w24, bias))
     torch.library.opcheck(cusparselt.linear_24, (x, w24, None))
+    torch.library.opcheck(cusparselt.linear_24, (x, weight, bias, mask))
     torch.library.opcheck(cusparselt.linear_24_input_grad, (torch.randn(12, 128), w24))
+    args = (torch.randn(12, 128), weight, mask)
+    torch.library.opcheck(cusparselt.linear_24_input_grad, args)
 
 
 def test_the_ops_compute_the_2to4_linear_with_straight_through_gradients(

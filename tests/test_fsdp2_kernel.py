@@ -14,10 +14,13 @@ Select these tests with ``pytest -k "fsdp2 and kernel"``.
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from multiprocess import run_workers
 
 PHASES = [
@@ -225,6 +228,102 @@ def test_fsdp2_kernel_runs_on_every_mlp_of_the_llama_cpu_demo_recipe(job):
         assert demo["calls"] == {"0": sparse, "1": sparse, "2": {}}
         assert demo["kernel_dtypes"] == ["torch.bfloat16"]
         assert 4.0 < demo["loss"] < 6.0  # log(256) = 5.5: untrained
+
+
+@pytest.mark.parametrize("precision", ["mixed precision policy", "autocast"])
+@pytest.mark.parametrize("mode", ["runtime", "stored", "stored unpacked"])
+def test_fsdp2_kernel_saves_no_weight_sized_tensor_of_its_own(job, mode, precision):
+    """Between a layer's forward and its backward, of the tensors its 2:4 ops saved, those of
+    at least a quarter of its weight's elements are FSDP2's own gathered parameter (its
+    storage freed after the forward: 0 bytes; gathered again for the backward) and, with a
+    stored mask, that mask and its packing (kept by the layer anyway); no pruned, packed or
+    cast copy of the weight."""
+    weights = {"0": [384, 128], "1": [256, 384]}  # the worker's two layers
+    for report in job:
+        saved = report["saved_for_backward"][f"{mode}, {precision}"]
+        assert sorted(saved) == ["0", "1"]
+        for layer, tensors in saved.items():
+            own = [t for t in tensors if t[2] != "stored mask"]
+            assert own == [[weights[layer], 0, ""]], (layer, tensors)
+            kept = [t for t in tensors if t[2] == "stored mask"]
+            # the whole mask; with a packing, also its keys for W and W.T
+            assert len(kept) == {"runtime": 0, "stored": 3, "stored unpacked": 1}[mode]
+
+
+def test_fsdp2_mask_choice_gathers_one_layer_at_a_time(job):
+    """Choosing masks for weights sharded by FSDP2 holds, beyond what the same choice holds
+    unsharded (the algorithm's own work on a layer, the masks), at most one layer's whole
+    weight and mask at once (and its gradient, at an update): not every layer's at once. The
+    masks are those chosen unsharded."""
+    for report in job:
+        peak = report["mask_choice_peak"]
+        sharded, plain = peak["sharded"], peak["plain"]
+        largest = max(peak["weights"])  # float32: 4 bytes a weight, its mask 1
+        one_layer = largest + largest // 4
+        assert sharded["start"][0] <= plain["start"][0] + one_layer
+        assert sharded["update"][0] <= plain["update"][0] + one_layer + largest
+        # every layer's whole weight at once would not fit under these bounds
+        assert sum(peak["weights"]) > one_layer + largest
+        assert sharded["updated"] and plain["updated"]
+        assert sharded["masks"] == plain["masks"]
+
+
+MEMORY_ITEMS = [
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "masks",
+    "whole_masks",
+    "packing",
+    "until_backward",
+    "at_mask_choice",
+]
+
+
+@pytest.mark.parametrize("run", ["llama_demo", "llama_demo_masked"])
+def test_fsdp2_memory_per_rank_measured_matches_the_plan(job, run, capsys):
+    """The Llama CPU demo recipe on 2 ranks (on the kernel path, and as it runs on the CPU:
+    masked math): each rank's bytes of parameters, gradients, AdamW state, mask shards, whole
+    masks and packing, what the sparsity path adds to the saved activations, and the mask
+    choice's transient, counted by storage, are what the plan predicts, within 10%; the
+    plan's table for the recipe on 2 devices prints the same."""
+    for report in job:
+        memory = report[run]["memory"] if run == "llama_demo" else report[run]
+        measured, predicted = memory["measured"], memory["predicted"]
+        assert sorted(measured) == sorted(MEMORY_ITEMS)
+        for item in MEMORY_ITEMS:
+            assert abs(measured[item] - predicted[item]) <= 0.1 * predicted[item], item
+        # masked math keeps the bf16 weight times its mask of each of the 6 MLP layers
+        # (128x384) until the backward; the kernel path saves FSDP2's own weight
+        saved = 6 * 128 * 384 * 2 if run == "llama_demo_masked" else 0
+        assert measured["until_backward"] == saved
+        assert (
+            measured["at_mask_choice"] == 128 * 384 * 5
+        )  # one float32 layer, its mask
+    out = plan_demo(capsys)
+    row = re.split(r"\s{2,}", out.split("memory per rank", 1)[1].split("phase 1", 1)[1])
+    measured = job[0]["llama_demo_masked"]["measured"]
+    assert row[1:5] == [
+        f"{measured[k] / 2**20:.1f}"
+        for k in ("parameters", "gradients", "optimizer_state", "masks")
+    ]
+
+
+def plan_demo(capsys) -> str:
+    """``lightning-sparse plan`` of the CPU demo recipe."""
+    from lightning_sparse.cli.main import SparseCLI
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "hf"
+    with pytest.MonkeyPatch.context() as patch, torch.device("meta"):
+        patch.setattr(sys, "argv", ["lightning-sparse"])
+        SparseCLI(
+            args=[
+                "plan",
+                f"--config={recipe / 'llama_1b_fsdp2_cpu_demo.yaml'}",
+                "--plot=false",
+            ]
+        )
+    return capsys.readouterr().out
 
 
 def test_fsdp2_kernel_is_refused_for_a_dtensor_the_forward_sees(job):

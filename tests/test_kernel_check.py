@@ -38,6 +38,7 @@ WIDTH = 128  # TinyNet's fc1 and fc2 become 128x128: cuSPARSELt's shapes
 
 
 def right(x, weight, bias, mask, packing=None):
+    weight = weight.to(x.dtype)  # a kernel is given the weight as stored
     if mask is None:
         mask = transposable_2to4_mask(weight.detach())
     return F.linear(x, straight_through_mask(weight, mask), bias)
@@ -89,7 +90,7 @@ def inject(monkeypatch):
 
     def install(linear):
         def recorded(x, weight, bias, mask, packing=None):
-            key = ("cusparselt", weight.dtype, weight.device)
+            key = ("cusparselt", x.dtype, weight.device)
             verdict = kernel_check._VERDICTS.get(key)
             checking = key in kernel_check._RUNNING
             calls.append("check" if checking else "passed" if verdict else "unchecked")
@@ -256,11 +257,11 @@ def test_no_op_packs_or_searches_before_the_kernel_check_passed(inject, monkeypa
     w24 = weight * mask
     packing = ss.stored_mask_packing("cusparselt", mask, mask)
     stored = packing.op_arguments()
-    packed_t = torch.zeros(256, 72, dtype=torch.bfloat16)
     calls = [
-        lambda: cusparselt.linear_24_projected(x, weight, None, True),
-        lambda: cusparselt.linear_24_packed_input_grad(grad, packed_t, weight),
+        lambda: cusparselt.linear_24_projected(x, weight, None),
+        lambda: cusparselt.linear_24_projected_input_grad(grad, weight),
         lambda: cusparselt.linear_24(x, w24, None),
+        lambda: cusparselt.linear_24(x, weight, None, mask),
         lambda: cusparselt.linear_24_input_grad(grad, w24),
         lambda: cusparselt.linear_24_stored(x, weight, None, *stored),
         lambda: cusparselt.linear_24_stored_input_grad(grad, weight, *stored),

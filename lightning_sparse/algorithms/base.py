@@ -416,7 +416,9 @@ class SparsityAlgorithm:
                 MaskContext(name, step, self.seed, input_norm=norm),
             )
 
-        shapes = {name: weight.shape for name, weight in weights.items()}
+        # by name, not items(): a loop variable would keep the last weight while the next is
+        # read, and the engine gathers each sharded one as it is read
+        shapes = {name: weights[name].shape for name in weights}
         return spread(self.distribution, self.target_at(step), shapes, score)
 
     def initial_mask(

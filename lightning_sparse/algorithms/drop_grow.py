@@ -264,9 +264,8 @@ class DropAndGrow(SparsityAlgorithm):
         if masks is None or isinstance(target, NM):
             return super().layer_targets(step, weights, masks, input_norms)
         return {
-            name: (mask.numel() - count_true(mask)) / mask.numel()
-            for name, mask in masks.items()
-        }
+            name: _inactive_fraction(masks[name]) for name in masks
+        }  # one at a time
 
     def grow_score(
         self, weight: Tensor, mask: Tensor, ctx: MaskContext
@@ -350,3 +349,7 @@ class RigL(DropAndGrow):
         self, weight: Tensor, mask: Tensor, ctx: MaskContext
     ) -> Tensor | None:
         return ctx.grad  # ranked by magnitude: |grad| is never materialized
+
+
+def _inactive_fraction(mask: Tensor) -> float:
+    return (mask.numel() - count_true(mask)) / mask.numel()

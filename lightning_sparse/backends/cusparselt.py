@@ -1,23 +1,31 @@
 """The cuSPARSELt 2:4 linear as custom ops: ``x @ W24.T`` and its input gradient.
 
-- ``lightning_sparse::linear_24_projected(x, weight, bias, transposed)``: ``W24`` is the
-  greedy transposable 2:4 projection of ``weight``, packed in cuSPARSELt's format (and
-  ``W24.T`` too, for the input gradient, where ``transposed``); runs ``torch._cslt_sparse_mm``
-  with the algorithm searched for its shape
-  (:mod:`~lightning_sparse.backends.cusparselt_algorithms`). Its backward multiplies ``grad``
-  by ``W24.T`` packed (``lightning_sparse::linear_24_packed_input_grad``) and computes the
-  weight gradient ``grad.T @ x`` densely (straight-through to the weight). Where the Triton
-  kernels pack (:mod:`~lightning_sparse.backends.triton_sparse24`), one pass over the weight
-  chooses the mask (:func:`~lightning_sparse.masks.tiles.transposable_2to4_mask`'s choice, ties
-  included) and writes both packings; else torch's tile kernel chooses it
+- ``lightning_sparse::linear_24_projected(x, weight, bias)``: ``W24`` is the greedy
+  transposable 2:4 projection of ``weight``, packed in cuSPARSELt's format; runs
+  ``torch._cslt_sparse_mm`` with the algorithm searched for its shape
+  (:mod:`~lightning_sparse.backends.cusparselt_algorithms`). Its backward projects ``weight``
+  again and multiplies ``grad`` by ``W24.T`` packed
+  (``lightning_sparse::linear_24_projected_input_grad``), and computes the weight gradient
+  ``grad.T @ x`` densely (straight-through to the weight). Where the Triton kernels pack
+  (:mod:`~lightning_sparse.backends.triton_sparse24`), one pass over the weight chooses the
+  mask (:func:`~lightning_sparse.masks.tiles.transposable_2to4_mask`'s choice, ties included)
+  and writes the packing; else torch's tile kernel chooses it
   (:func:`~lightning_sparse.masks.tiles.greedy_2to4_mask`) and :func:`pack` packs.
-- ``lightning_sparse::linear_24(x, w24, bias)``: the same for a 2:4 weight given as it is (a
-  stored mask at a shape our packers do not know); its backward packs ``w24.T``
-  (``lightning_sparse::linear_24_input_grad``).
+- ``lightning_sparse::linear_24(x, weight, bias, mask)``: the same for ``weight * mask`` (a
+  stored mask at a shape our packers do not know), or a 2:4 weight as it is; its backward
+  packs ``W24.T`` (``lightning_sparse::linear_24_input_grad``).
 - ``lightning_sparse::linear_24_stored(x, weight, bias, mask, ...)``: the same product for a
   stored mask, with what the mask fixes of the packed format (its :class:`MaskPacking`, made
   at each mask update by :func:`mask_packing`), so that each step only gathers the values (or
   the Triton kernels pack the weight at the mask in one pass).
+
+Every op takes the weight as stored and casts it to the matmul dtype (``x``'s) inside, so what
+it saves for the backward is the weight itself and the stored mask's tensors, never a pruned
+or cast copy: under FSDP2 that weight is its unsharded parameter, whose storage FSDP2 frees
+after the forward and gathers again for the backward, so no layer holds a weight-sized tensor
+from its forward to its backward. The backward makes ``W24.T`` again from it (for a projected
+mask, the same mask: it depends on the values only), one more pass over the weight, instead of
+keeping ``W24.T`` packed (9/16 of the weight's bytes a layer).
 
 The packer (:func:`packer`) is chosen once per process, dtype and device, at the first packing:
 the Triton kernels where they write the bytes of cuSPARSELt's own ``torch._cslt_compress`` on
@@ -40,9 +48,8 @@ Example (shapes only, on fake CUDA tensors):
     >>> with FakeTensorMode():
     ...     x = torch.empty(300, 256, device="cuda", dtype=torch.bfloat16)
     ...     w = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
-    ...     out, packed_t = linear_24_projected(x, w, None, True)
-    ...     out.shape, packed_t.shape
-    (torch.Size([300, 128]), torch.Size([256, 72]))
+    ...     linear_24_projected(x, w, None).shape
+    torch.Size([300, 128])
 """
 
 from __future__ import annotations
@@ -74,7 +81,6 @@ from lightning_sparse.backends.kernel_check import (
     require_kernel,
     versions,
 )
-from lightning_sparse.backends.masked import straight_through_mask
 from lightning_sparse.masks.tiles import greedy_2to4_mask, transposable_2to4_mask
 
 try:
@@ -276,59 +282,85 @@ def _sparse_mm(
     return out[:tokens] if padding else out
 
 
+def _in_dtype(weight: Tensor, dtype: torch.dtype, mask: Tensor | None = None) -> Tensor:
+    """``weight`` in the matmul ``dtype`` (a copy only where it is stored in another), times
+    ``mask`` where given. The ops take the weight as stored and cast it here, in the forward
+    and again in the backward, so that what they save for the backward is the weight itself
+    (under FSDP2 its own unsharded parameter, whose storage FSDP2 frees after the forward and
+    gathers again for the backward), never a private copy of it."""
+    w = weight.to(dtype)
+    return w if mask is None else w * mask
+
+
+def _straight_through(grad_w: Tensor, weight: Tensor) -> Tensor:
+    """The dense weight gradient in the weight's stored dtype, as autograd's cast would give it."""
+    return grad_w.to(weight.dtype)
+
+
 @torch.library.custom_op("lightning_sparse::linear_24", mutates_args=())
-def linear_24(x: Tensor, w24: Tensor, bias: Tensor | None) -> Tensor:
-    """``x @ w24.T + bias`` on cuSPARSELt: ``x`` (tokens, in) row-major, ``w24`` (out, in)."""
-    require_kernel(KERNEL, w24.dtype, w24.device)
-    return _sparse_mm(pack(w24), w24.shape[0], x, bias)
+def linear_24(
+    x: Tensor, weight: Tensor, bias: Tensor | None, mask: Tensor | None = None
+) -> Tensor:
+    """``x @ W24.T + bias`` on cuSPARSELt, in ``x``'s dtype: ``x`` (tokens, in) row-major,
+    ``W24`` (out, in) is ``weight * mask`` (a 2:4 ``mask``), or ``weight`` itself where it is
+    2:4 already (no ``mask``); gradients straight through to ``weight``."""
+    require_kernel(KERNEL, x.dtype, weight.device)
+    return _sparse_mm(pack(_in_dtype(weight, x.dtype, mask)), weight.shape[0], x, bias)
 
 
 @linear_24.register_fake
-def _(x: Tensor, w24: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty((x.shape[0], w24.shape[0]))
+def _(
+    x: Tensor, weight: Tensor, bias: Tensor | None, mask: Tensor | None = None
+) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("lightning_sparse::linear_24_input_grad", mutates_args=())
-def linear_24_input_grad(grad: Tensor, w24: Tensor) -> Tensor:
-    """``grad @ w24`` on cuSPARSELt (``w24.T`` packed): the input gradient of ``linear_24``."""
-    require_kernel(KERNEL, w24.dtype, w24.device)
-    return _sparse_mm(pack(w24.t().contiguous()), w24.shape[1], grad, None)
+def linear_24_input_grad(
+    grad: Tensor, weight: Tensor, mask: Tensor | None = None
+) -> Tensor:
+    """``grad @ W24`` on cuSPARSELt (``W24.T`` packed), in ``grad``'s dtype: the input
+    gradient of ``linear_24``."""
+    require_kernel(KERNEL, grad.dtype, weight.device)
+    w24_t = _in_dtype(weight, grad.dtype, mask).t().contiguous()
+    return _sparse_mm(pack(w24_t), weight.shape[1], grad, None)
 
 
 @linear_24_input_grad.register_fake
-def _(grad: Tensor, w24: Tensor) -> Tensor:
-    return grad.new_empty((grad.shape[0], w24.shape[1]))
+def _(grad: Tensor, weight: Tensor, mask: Tensor | None = None) -> Tensor:
+    return grad.new_empty((grad.shape[0], weight.shape[1]))
 
 
 def _setup(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
-    x, w24, bias = inputs
-    ctx.save_for_backward(x, w24)
+    x, weight, bias, mask = inputs
+    ctx.save_for_backward(x, weight, mask)  # W24 is made again in the backward
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def]
-    x, w24 = ctx.saved_tensors
+    x, weight, mask = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_x = linear_24_input_grad(grad, w24) if ctx.needs_input_grad[0] else None
-    grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
-    grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return grad_x, grad_w, grad_b
+    needs = ctx.needs_input_grad
+    grad_x = linear_24_input_grad(grad, weight, mask) if needs[0] else None
+    grad_w = _straight_through(grad.t() @ x, weight) if needs[1] else None
+    grad_b = grad.sum(0) if ctx.has_bias and needs[2] else None
+    return grad_x, grad_w, grad_b, None
 
 
 linear_24.register_autograd(_backward, setup_context=_setup)
 
 
 def _setup_input_grad(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
-    grad, w24 = inputs
-    ctx.save_for_backward(grad, w24)
+    ctx.save_for_backward(*inputs)
 
 
 def _backward_input_grad(ctx, grad_out: Tensor) -> tuple:  # type: ignore[no-untyped-def]
-    grad, w24 = ctx.saved_tensors
+    grad, weight, mask = ctx.saved_tensors
     grad_out = grad_out.contiguous()
-    grad_grad = linear_24(grad_out, w24, None) if ctx.needs_input_grad[0] else None
-    grad_w = grad.t() @ grad_out if ctx.needs_input_grad[1] else None
-    return grad_grad, grad_w
+    needs = ctx.needs_input_grad
+    grad_grad = linear_24(grad_out, weight, None, mask) if needs[0] else None
+    grad_w = _straight_through(grad.t() @ grad_out, weight) if needs[1] else None
+    return grad_grad, grad_w, None
 
 
 linear_24_input_grad.register_autograd(
@@ -336,91 +368,78 @@ linear_24_input_grad.register_autograd(
 )
 
 
-def _project_and_pack(weight: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
-    """``W24``, the greedy transposable 2:4 projection of ``weight``, packed, and ``W24.T``
-    packed (an empty ``(0, 0)`` tensor without ``transposed``): by the Triton kernels in one
-    pass, or with torch's tile kernel's mask by :func:`pack`."""
+def _project_and_pack(weight: Tensor, transposed: bool) -> Tensor:
+    """``W24``, the greedy transposable 2:4 projection of ``weight``, packed (``transposed``:
+    ``W24.T`` packed): by the Triton kernels in one pass, or with torch's tile kernel's mask by
+    :func:`pack`. The mask depends on the values only, so the forward's ``W24`` and the
+    backward's ``W24.T`` are made from the same mask."""
     if _fused(weight):
-        packed, packed_t = triton_sparse24.mask_and_pack(weight, columns=transposed)
-    else:
-        w24 = weight * greedy_2to4_mask(weight)
-        packed = pack(w24)
-        packed_t = pack(w24.t().contiguous()) if transposed else None
-    return packed, weight.new_empty((0, 0)) if packed_t is None else packed_t
+        packed, packed_t = triton_sparse24.mask_and_pack(
+            weight, rows=not transposed, columns=transposed
+        )
+        return packed_t if transposed else packed
+    w24 = weight * greedy_2to4_mask(weight)
+    return pack(w24.t().contiguous() if transposed else w24)
 
 
 @torch.library.custom_op("lightning_sparse::linear_24_projected", mutates_args=())
-def linear_24_projected(
-    x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool
-) -> tuple[Tensor, Tensor]:
-    """``x @ W24.T + bias`` on cuSPARSELt for the greedy transposable 2:4 projection ``W24``
-    of ``weight`` (float16 or bfloat16), and ``W24.T`` packed for the input gradient
-    (``transposed``; else empty)."""
-    require_kernel(KERNEL, weight.dtype, weight.device)
-    packed, packed_t = _project_and_pack(weight, transposed)
-    return _sparse_mm(packed, weight.shape[0], x, bias), packed_t
+def linear_24_projected(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ W24.T + bias`` on cuSPARSELt, in ``x``'s dtype (float16 or bfloat16), for the
+    greedy transposable 2:4 projection ``W24`` of ``weight`` in that dtype; gradients straight
+    through to ``weight``. Its backward saves ``weight`` as given and projects it again for the
+    input gradient (``linear_24_projected_input_grad``)."""
+    require_kernel(KERNEL, x.dtype, weight.device)
+    packed = _project_and_pack(_in_dtype(weight, x.dtype), False)
+    return _sparse_mm(packed, weight.shape[0], x, bias)
 
 
 @linear_24_projected.register_fake
-def _(x, weight, bias, transposed):  # type: ignore[no-untyped-def]
-    torch._check(weight.dtype in DTYPES, lambda: f"weight has dtype {weight.dtype}")
-    n, k = weight.shape
-    packed_t = weight.new_empty((k, n * 9 // 16) if transposed else (0, 0))
-    return x.new_empty((x.shape[0], n)), packed_t
+def _(x, weight, bias):  # type: ignore[no-untyped-def]
+    torch._check(x.dtype in DTYPES, lambda: f"x has dtype {x.dtype}")
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op(
-    "lightning_sparse::linear_24_packed_input_grad", mutates_args=()
+    "lightning_sparse::linear_24_projected_input_grad", mutates_args=()
 )
-def linear_24_packed_input_grad(
-    grad: Tensor, packed_t: Tensor, weight: Tensor
-) -> Tensor:
-    """``grad @ W24`` on cuSPARSELt from ``W24.T`` packed: the input gradient of
-    ``linear_24_projected`` (``weight``: its dense weight, for the shape; not differentiable
-    again)."""
-    require_kernel(KERNEL, packed_t.dtype, packed_t.device)
+def linear_24_projected_input_grad(grad: Tensor, weight: Tensor) -> Tensor:
+    """``grad @ W24`` on cuSPARSELt, ``W24`` projected from ``weight`` again (``W24.T``
+    packed): the input gradient of ``linear_24_projected`` (not differentiable again)."""
+    require_kernel(KERNEL, grad.dtype, weight.device)
+    packed_t = _project_and_pack(_in_dtype(weight, grad.dtype), True)
     return _sparse_mm(packed_t, weight.shape[1], grad, None)
 
 
-@linear_24_packed_input_grad.register_fake
-def _(grad: Tensor, packed_t: Tensor, weight: Tensor) -> Tensor:
+@linear_24_projected_input_grad.register_fake
+def _(grad: Tensor, weight: Tensor) -> Tensor:
     return grad.new_empty((grad.shape[0], weight.shape[1]))
 
 
 def _no_second_order(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def]
     raise RuntimeError(
         "a second-order gradient through a runtime 2:4 layer on cuSPARSELt: its backward "
-        "keeps only W24.T packed, which cannot be differentiated again; run that layer with "
-        "backend='masked' (the same function, in dense math)"
+        "projects the weight inside one op, which cannot be differentiated again; run that "
+        "layer with backend='masked' (the same function, in dense math)"
     )
 
 
-linear_24_packed_input_grad.register_autograd(_no_second_order)
+linear_24_projected_input_grad.register_autograd(_no_second_order)
 
 
-def _setup_projected(ctx, inputs: tuple, output: tuple) -> None:  # type: ignore[no-untyped-def]
-    x, weight, bias, _ = inputs
-    packed_t = output[1]
-    ctx.mark_non_differentiable(packed_t)
-    # W24.T packed, 9/16 of the weight (less than a pruned copy); the weight itself (FSDP2's
-    # own parameter under FSDP2) only for its shape
-    ctx.save_for_backward(x, packed_t, weight)
+def _setup_projected(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)  # no packing: W24.T is made again in the backward
     ctx.has_bias = bias is not None
 
 
-def _backward_projected(ctx, grad: Tensor, _: Tensor) -> tuple:  # type: ignore[no-untyped-def]
-    x, packed_t, weight = ctx.saved_tensors
+def _backward_projected(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def]
+    x, weight = ctx.saved_tensors
     grad = grad.contiguous()
     needs = ctx.needs_input_grad
-    if needs[0] and packed_t.numel() == 0:
-        raise RuntimeError(
-            "linear_24_projected(x, ..., transposed=False) kept no packed W24.T for the "
-            "input gradient; pass transposed=True where x needs a gradient"
-        )
-    grad_x = linear_24_packed_input_grad(grad, packed_t, weight) if needs[0] else None
-    grad_w = grad.t() @ x if needs[1] else None  # straight-through
+    grad_x = linear_24_projected_input_grad(grad, weight) if needs[0] else None
+    grad_w = _straight_through(grad.t() @ x, weight) if needs[1] else None
     grad_b = grad.sum(0) if ctx.has_bias and needs[2] else None
-    return grad_x, grad_w, grad_b, None
+    return grad_x, grad_w, grad_b
 
 
 linear_24_projected.register_autograd(
@@ -523,12 +542,12 @@ def linear_24_stored(
     keys_t: Tensor,
     metadata_t: Tensor,
 ) -> Tensor:
-    """``x @ (weight * mask).T + bias`` on cuSPARSELt, the weight packed at the stored mask's
-    positions (``keys``/``metadata``: its packing; ``keys_t``/``metadata_t``: its transpose's)."""
-    require_kernel(KERNEL, weight.dtype, weight.device)
-    return _sparse_mm(
-        _pack_stored(weight, mask, keys, metadata, False), weight.shape[0], x, bias
-    )
+    """``x @ (weight * mask).T + bias`` on cuSPARSELt, in ``x``'s dtype, the weight packed at
+    the stored mask's positions (``keys``/``metadata``: its packing; ``keys_t``/``metadata_t``:
+    its transpose's)."""
+    require_kernel(KERNEL, x.dtype, weight.device)
+    w = _in_dtype(weight, x.dtype)
+    return _sparse_mm(_pack_stored(w, mask, keys, metadata, False), w.shape[0], x, bias)
 
 
 @linear_24_stored.register_fake
@@ -548,9 +567,10 @@ def linear_24_stored_input_grad(
     keys_t: Tensor,
     metadata_t: Tensor,
 ) -> Tensor:
-    """``grad @ (weight * mask)`` on cuSPARSELt: the input gradient of ``linear_24_stored``."""
-    require_kernel(KERNEL, weight.dtype, weight.device)
-    packed = _pack_stored(weight, mask, keys_t, metadata_t, True)
+    """``grad @ (weight * mask)`` on cuSPARSELt, in ``grad``'s dtype: the input gradient of
+    ``linear_24_stored``."""
+    require_kernel(KERNEL, grad.dtype, weight.device)
+    packed = _pack_stored(_in_dtype(weight, grad.dtype), mask, keys_t, metadata_t, True)
     return _sparse_mm(packed, weight.shape[1], grad, None)
 
 
@@ -561,7 +581,9 @@ def _(grad, weight, mask, keys, metadata, keys_t, metadata_t):  # type: ignore[n
 
 def _setup_stored(ctx, inputs: tuple, output: Tensor) -> None:  # type: ignore[no-untyped-def]
     x, weight, bias, *packing_ = inputs
-    ctx.save_for_backward(x, weight, *packing_)
+    ctx.save_for_backward(
+        x, weight, *packing_
+    )  # the weight as given, the mask's packing
     ctx.has_bias = bias is not None
 
 
@@ -573,7 +595,9 @@ def _backward_stored(ctx, grad: Tensor) -> tuple:  # type: ignore[no-untyped-def
         if ctx.needs_input_grad[0]
         else None
     )
-    grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None  # straight-through
+    grad_w = (
+        _straight_through(grad.t() @ x, weight) if ctx.needs_input_grad[1] else None
+    )
     grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_x, grad_w, grad_b, None, None, None, None, None
 
@@ -593,7 +617,11 @@ def _backward_stored_input_grad(ctx, grad_out: Tensor) -> tuple:  # type: ignore
         if ctx.needs_input_grad[0]
         else None
     )
-    grad_w = grad.t() @ grad_out if ctx.needs_input_grad[1] else None
+    grad_w = (
+        _straight_through(grad.t() @ grad_out, weight)
+        if ctx.needs_input_grad[1]
+        else None
+    )
     return grad_grad, grad_w, None, None, None, None, None
 
 
@@ -609,12 +637,12 @@ def cusparselt_linear(
     mask: Tensor | None,
     packing: MaskPacking | None = None,
 ) -> Tensor:
-    """``x @ W24.T + bias``: ``W24`` is ``weight * mask`` (a transposable 2:4 mask; with its
-    ``packing``, packed at its stored positions), or the greedy 2:4 projection of ``weight``;
-    gradients straight through to ``weight``."""
+    """``x @ W24.T + bias`` in ``x``'s dtype: ``W24`` is ``weight * mask`` (a transposable 2:4
+    mask; with its ``packing``, packed at its stored positions), or the greedy 2:4 projection
+    of ``weight``; gradients straight through to ``weight`` (any float dtype: each op casts it
+    inside, so what it saves for the backward is ``weight`` itself, never a pruned copy)."""
     if packing is not None:
         return linear_24_stored(x, weight, bias, *packing.op_arguments())
-    if mask is None:  # W24.T packed too where the input gradient will be needed
-        transposed = torch.is_grad_enabled() and x.requires_grad
-        return linear_24_projected(x, weight, bias, transposed)[0]
-    return linear_24(x, straight_through_mask(weight, mask), bias)
+    if mask is None:
+        return linear_24_projected(x, weight, bias)
+    return linear_24(x, weight, bias, mask)

@@ -61,6 +61,7 @@ def cutlass_linear(
     """``x @ W24.T + bias``: ``W24`` is the greedy 2:4 projection of ``weight * mask`` (a
     transposable mask survives it unchanged) or of ``weight``; straight-through gradients.
     (``packing`` is cuSPARSELt's packing of a stored mask: CUTLASS packs its own.)"""
+    weight = weight.to(x.dtype)
     if mask is not None:
         weight = straight_through_mask(weight, mask)
     return F.linear(x, _PackCutlass.apply(weight), bias)

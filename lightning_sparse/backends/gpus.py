@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GpuTarget:
-    """A GPU to plan for: its name, compute capability and peak bf16 tensor-core rates
-    (``None`` when the plan was given a bare capability)."""
+    """A GPU to plan for: its name, compute capability, peak bf16 tensor-core rates and
+    memory in GiB (``None`` when the plan was given a bare capability)."""
 
     name: str
     capability: tuple[int, int]
     dense_tflops: float | None = None
     sparse_tflops: float | None = None
+    memory_gib: float | None = None
 
     @property
     def arch(self) -> str:
@@ -36,21 +37,21 @@ class GpuTarget:
 
 
 GPUS: dict[str, GpuTarget] = {
-    "a100": GpuTarget("A100", (8, 0), 312.0, 624.0),
-    "a10": GpuTarget("A10", (8, 6), 125.0, 250.0),
-    "a6000": GpuTarget("RTX A6000", (8, 6), 155.0, 310.0),
-    "l4": GpuTarget("L4", (8, 9), 121.0, 242.0),
-    "l40s": GpuTarget("L40S", (8, 9), 362.0, 733.0),
-    "rtx4090": GpuTarget("RTX 4090", (8, 9), 165.0, 330.0),
-    "h100": GpuTarget("H100 SXM", (9, 0), 989.0, 1979.0),
-    "h100-pcie": GpuTarget("H100 PCIe", (9, 0), 756.0, 1513.0),
-    "h200": GpuTarget("H200", (9, 0), 989.0, 1979.0),
-    "b200": GpuTarget("B200", (10, 0), 2250.0, 4500.0),
-    "t4": GpuTarget("T4", (7, 5), 65.0, None),
-    "v100": GpuTarget("V100", (7, 0), 125.0, None),
+    "a100": GpuTarget("A100", (8, 0), 312.0, 624.0, 80.0),
+    "a10": GpuTarget("A10", (8, 6), 125.0, 250.0, 24.0),
+    "a6000": GpuTarget("RTX A6000", (8, 6), 155.0, 310.0, 48.0),
+    "l4": GpuTarget("L4", (8, 9), 121.0, 242.0, 24.0),
+    "l40s": GpuTarget("L40S", (8, 9), 362.0, 733.0, 48.0),
+    "rtx4090": GpuTarget("RTX 4090", (8, 9), 165.0, 330.0, 24.0),
+    "h100": GpuTarget("H100 SXM", (9, 0), 989.0, 1979.0, 80.0),
+    "h100-pcie": GpuTarget("H100 PCIe", (9, 0), 756.0, 1513.0, 80.0),
+    "h200": GpuTarget("H200", (9, 0), 989.0, 1979.0, 141.0),
+    "b200": GpuTarget("B200", (10, 0), 2250.0, 4500.0, 180.0),
+    "t4": GpuTarget("T4", (7, 5), 65.0, None, 16.0),
+    "v100": GpuTarget("V100", (7, 0), 125.0, None, 32.0),
 }
-"""Known GPUs by lower-case name (peak dense / 2:4 bf16 tensor TFLOP/s; T4 and V100: fp16,
-no sparse tensor cores)."""
+"""Known GPUs by lower-case name (peak dense / 2:4 bf16 tensor TFLOP/s, T4 and V100: fp16,
+no sparse tensor cores; memory as sold, the A100's and V100's larger model)."""
 
 _CAPABILITY = re.compile(r"^(?:sm_?|compute_?)?(\d{1,2})\.?(\d)$")
 

@@ -83,8 +83,8 @@ EMULATED = "emulated"
 KernelLinear = Callable[
     [Tensor, Tensor, "Tensor | None", "Tensor | None", "MaskPacking | None"], Tensor
 ]
-"""``(x, weight, bias, mask, packing) -> x @ W24.T + bias`` for a row-major 2-D ``x`` and a
-row-major ``weight`` in the matmul dtype; ``W24`` is ``weight * mask``, or without a mask the
+"""``(x, weight, bias, mask, packing) -> x @ W24.T + bias`` in ``x``'s dtype (the matmul
+dtype) for a row-major 2-D ``x`` and a row-major ``weight`` as stored; ``W24`` is ``weight * mask``, or without a mask the
 greedy transposable 2:4 projection of ``weight``; gradients straight through to ``weight``.
 ``packing`` is cuSPARSELt's packing of the stored mask where it has one (see
 :func:`install_semi_structured_forward`); other kernels are given ``None``."""
@@ -127,10 +127,9 @@ def semi_structured_linear(
         not torch.compiler.is_compiling()
     ):  # compiled graphs run the ops, which check too
         require_kernel(kernel, dtype, weight.device)
-    w = weight.to(
-        dtype
-    ).contiguous()  # the kernels read row-major (Conv1D's W.T is not)
-    # The sparse matmuls take 2-D row-major inputs.
+    # The kernels read row-major (Conv1D's W.T is not) and cast the weight to x's dtype
+    # themselves, so that they can save it as it is; the matmuls take 2-D row-major inputs.
+    w = weight.contiguous()
     x = input.to(dtype).reshape(-1, input.shape[-1]).contiguous()
     b = None if bias is None else bias.to(dtype)
     out = KERNELS[kernel](x, w, b, mask, packing)

@@ -1,10 +1,14 @@
-"""Memory per rank of a sparsity group, phase by phase: what ``lightning-sparse plan`` prints.
+"""Memory per rank, phase by phase: what ``lightning-sparse plan`` prints, and what the tests
+measure on a run (:mod:`~lightning_sparse.engine.memory_census`).
 
-Counted for the group's selected weights (the rest of the model, activations and optimizer
-state are not), in each sparse phase, from what the engine keeps (see
-:mod:`~lightning_sparse.engine.sparsifier` and :mod:`~lightning_sparse.engine.sharding`):
+Counted per rank in each sparse phase, from what the engine keeps (see
+:mod:`~lightning_sparse.engine.sparsifier` and :mod:`~lightning_sparse.engine.sharding`); under
+FSDP2 a sharded tensor is split by rows over the ranks (``ceil(rows / ranks)`` rows each, as
+FSDP2 pads them):
 
-- **weights**: the stored parameters, in their dtype; under FSDP2 each rank holds ``1/shards``.
+- **parameters**: the model's parameters in their stored dtype, **gradients** the same for the
+  trainable ones, and **optimizer state** two of each trainable parameter (the moments of
+  Adam and AdamW, the optimizers of the recipes; other optimizers keep other state).
 - **masks**: the engine's bool masks (1 byte per weight), laid out like the parameters (shards
   under FSDP2). Every sparse phase keeps them, ``runtime`` too (its mask at the phase start).
 - **whole masks**: under FSDP2, a layer whose forward multiplies by a stored mask (a
@@ -15,16 +19,25 @@ state are not), in each sparse phase, from what the engine keeps (see
   (:class:`~lightning_sparse.backends.cusparselt.MaskPacking`: a copy of the mask, 1 byte per
   weight, 2 x 1 byte of group keys and 2 x 1/8 byte of metadata: 3.25 bytes per weight), whole,
   on every rank. A mask projected in the forward (``runtime``) keeps none.
-- **until backward**: a straight-through forward multiplies a new tensor, the weight times its
-  mask, which autograd keeps from the forward to the backward: the whole weight in the matmul
-  dtype, per layer, on every rank (under FSDP2 too: the gathered weight is freed after the
-  forward, this copy is not). A weight projected in the forward of the cuSPARSELt kernel keeps
-  its pruned transpose packed for the input gradient instead (9/16 of it), and on CUTLASS its
-  pruned copy. A stored mask on a 2:4 kernel and a hard mask on masked math multiply the
-  weight itself, and keep none.
-- **at a mask choice**: transient, at the phase start and each mask update: under FSDP2 every
-  selected weight is gathered whole at once (its stored dtype) with its mask (1 byte), to choose
-  masks on whole tensors.
+- **logits**: a learned phase's logits over each N:M group's patterns (float32), with their
+  gradient and the two moments of their Adam: ``16 * C(M, N) / M`` bytes per weight (24 for
+  2:4), on every rank (not sharded).
+- **until backward**: the share of the saved activations that the sparsity path adds: a
+  straight-through forward on masked math multiplies a new tensor, the weight times its mask,
+  which autograd keeps from the forward to the backward: the whole weight in the matmul dtype,
+  per layer, on every rank (under FSDP2 too: the gathered weight is freed after the forward,
+  this copy is not); on CUTLASS its pruned copy. The cuSPARSELt ops save the weight itself
+  (under FSDP2 its gathered parameter, freed after the forward) and make the pruned ``W.T``
+  again in the backward, and a hard mask on masked math multiplies the weight itself: they keep
+  none.
+- **at a mask choice**: transient, at the phase start and each mask update: under FSDP2 the
+  engine gathers one selected weight whole at a time (its stored dtype) and chooses its whole
+  mask (1 byte a weight) before the next: the largest layer's. Not counted: at an update, that
+  layer's gradient, gathered too; and the algorithm's own work on the layer (scores, sorting
+  indices), which depends on the device's mask kernel and comes with or without sharding.
+
+The rest of the activations, the CUDA context and the allocator's slack are not counted: a
+phase that "fits" a GPU leaves what is left to them.
 
 Example:
     >>> from torch import nn
@@ -36,112 +49,219 @@ Example:
     >>> sp = Sparsifier("g", select_parameters(net, params=["*.weight"]).targets, phases)
     >>> [m.masks for m in phase_memory(sp, shards=8)]  # bytes per rank
     [1048576]
+    >>> phases = resolve_phases([Phase(sparsity="2:4", until=50), Phase(sparsity=0.0)], 100)
+    >>> sp = Sparsifier("g", select_parameters(net, params=["*.weight"]).targets, phases)
+    >>> [(m.masks, m.optimizer_state) for m in phase_memory(sp, shards=8)]  # the dense phase: none
+    [(1048576, 8388608), (0, 8388608)]
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from lightning_sparse.backends.cusparselt import packs_stored_masks
+from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.engine.report import text_table
 from lightning_sparse.engine.sparsifier import Sparsifier
+from lightning_sparse.masks import NM
+from lightning_sparse.masks.candidates import candidate_count
 
 PACKING_BYTES = 3.25
 """Bytes per weight of a stored mask's cuSPARSELt packing (see the module docstring)."""
+OPTIMIZER_STATES = 2
+"""Tensors of optimizer state per trainable parameter (Adam's and AdamW's two moments)."""
+LOGIT_TENSORS = 4
+"""A learned phase's logits, their gradient and their Adam's two moments."""
 
 
 @dataclass(frozen=True)
 class PhaseMemory:
-    """Bytes per rank for a group's selected weights in one sparse phase (see the module
-    docstring)."""
+    """Bytes per rank in one sparse phase (see the module docstring); ``weights``: the
+    group's selected weights, a part of ``parameters``."""
 
     phase: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
     weights: int
     masks: int
     whole_masks: int
     packing: int
+    logits: int
     until_backward: int
     at_mask_choice: int
+
+    @property
+    def kept(self) -> int:
+        """What the phase holds between steps."""
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.masks
+            + self.whole_masks
+            + self.packing
+            + self.logits
+        )
+
+    @property
+    def peak(self) -> int:
+        """What it holds at most: the activations it keeps until the backward, or a mask
+        choice's transient, on top of :attr:`kept`."""
+        return self.kept + max(self.until_backward, self.at_mask_choice)
+
+
+def sharded_bytes(tensor: Tensor, shards: int, itemsize: int | None = None) -> int:
+    """The bytes of one rank's shard of ``tensor`` when FSDP2 splits its rows over ``shards``
+    ranks (``ceil(rows / shards)`` rows, padded as FSDP2 pads them), in ``itemsize`` bytes an
+    element (``None``: its own).
+
+    Example:
+        >>> sharded_bytes(torch.empty(5, 8), 2), sharded_bytes(torch.empty(5, 8), 1, itemsize=1)
+        (96, 40)
+    """
+    size = tensor.element_size() if itemsize is None else itemsize
+    if shards <= 1 or tensor.dim() == 0:
+        return tensor.numel() * size
+    return math.ceil(tensor.shape[0] / shards) * math.prod(tensor.shape[1:]) * size
 
 
 def phase_memory(
     sparsifier: Sparsifier,
     shards: int = 1,
     compute_dtype: torch.dtype | None = None,
+    parameters: Iterable[Tensor] | None = None,
 ) -> list[PhaseMemory]:
-    """Each sparse phase's :class:`PhaseMemory` for ``sparsifier``'s weights, sharded over
-    ``shards`` ranks by FSDP2 (``1``: not sharded), with matmuls in ``compute_dtype``
-    (autocast's; ``None``: the weights' own)."""
+    """Each phase's :class:`PhaseMemory` (a dense one keeps no masks), sharded over ``shards`` ranks by FSDP2
+    (``1``: not sharded), with matmuls in ``compute_dtype`` (autocast's; ``None``: the weights'
+    own), for the model's ``parameters`` (``None``: the selected weights only)."""
     sp = sparsifier
-    numel = {t.name: t.param.numel() for t in sp.targets}
-    total = sum(numel.values())
-    weights = sum(t.param.numel() * t.param.element_size() for t in sp.targets)
+    params = list(parameters) if parameters is not None else []
+    params = params or [t.param for t in sp.targets]
+    trainable = [p for p in params if p.requires_grad]
+    stored = sum(sharded_bytes(p, shards) for p in params)
+    grads = sum(sharded_bytes(p, shards) for p in trainable)
+    weights = sum(sharded_bytes(t.param, shards) for t in sp.targets)
+    masks = sum(sharded_bytes(t.param, shards, itemsize=1) for t in sp.targets)
+    # the largest layer, gathered whole, and its new mask (1 byte a weight)
+    largest = max(t.param.numel() * (t.param.element_size() + 1) for t in sp.targets)
+    choosing = largest if shards > 1 else 0
     found = []
     for phase in sp.phases:
         algo = sp.algorithms.get(phase.index)
-        if algo is None:
-            continue
-        whole = packing = saved = 0
-        for t in sp.targets:
+        whole = packing = saved = logits = 0
+        for t in sp.targets if algo is not None else ():
+            numel = t.param.numel()
             choice = sp.backends[phase.index, t.name]
             kernel = choice.name == "semi_structured"
-            stored = not algo.projects and (algo.straight_through or kernel)
+            kept = not algo.projects and (algo.straight_through or kernel)
             if algo.projects or (algo.straight_through and not kernel):
                 dtype = compute_dtype or t.param.dtype
-                kept = numel[t.name] * dtype.itemsize
-                packed = algo.projects and kernel and choice.kernel == "cusparselt"
-                saved += kept * 9 // 16 if packed else kept
-            if stored and shards > 1:
-                whole += numel[t.name]
+                if not (kernel and choice.kernel == "cusparselt"):  # its ops save W
+                    saved += numel * dtype.itemsize
+            if kept and shards > 1:
+                whole += numel
             rows = tuple(t.layer.to_rows(t.param).shape)
-            if stored and choice.kernel == "cusparselt" and packs_stored_masks(rows):
-                packing += round(numel[t.name] * PACKING_BYTES)
-        choice_peak = weights + total if shards > 1 else 0
+            if kept and choice.kernel == "cusparselt" and packs_stored_masks(rows):
+                packing += round(numel * PACKING_BYTES)
+            target = getattr(algo, "target", None)
+            if algo.learns and isinstance(target, NM):
+                per_group = candidate_count(target) * 4 * LOGIT_TENSORS
+                logits += numel // target.m * per_group
         found.append(
             PhaseMemory(
-                phase.index,
-                -(-weights // shards),
-                -(-total // shards),
-                whole,
-                packing,
-                saved,
-                choice_peak,
+                phase=phase.index,
+                parameters=stored,
+                gradients=grads,
+                optimizer_state=OPTIMIZER_STATES * grads,
+                weights=weights,
+                masks=masks if algo is not None else 0,
+                whole_masks=whole,
+                packing=packing,
+                logits=logits,
+                until_backward=saved,
+                at_mask_choice=choosing if algo is not None else 0,
             )
         )
     return found
 
 
 def memory_table(
-    sparsifier: Sparsifier, shards: int = 1, compute_dtype: torch.dtype | None = None
+    sparsifier: Sparsifier,
+    shards: int = 1,
+    compute_dtype: torch.dtype | None = None,
+    parameters: Iterable[Tensor] | None = None,
+    gpu: GpuTarget | None = None,
 ) -> list[str]:
-    """:func:`phase_memory` as table lines, in MiB (none for a group without a sparse phase)."""
-    rows = [
-        [
-            "phase",
-            "weights",
-            "masks",
-            "whole masks",
-            "2:4 packing",
-            "total",
-            "until backward",
-            "at a mask choice",
-        ]
+    """:func:`phase_memory` as table lines, in MiB (none for a group without a sparse phase);
+    dense phases too, since the question whether a run fits is asked of every phase;
+    with a ``gpu`` whose memory is known, whether each phase's peak fits it."""
+    header = [
+        "phase",
+        "parameters",
+        "gradients",
+        "optimizer",
+        "masks",
+        "whole masks",
+        "2:4 packing",
+        "logits",
+        "total",
+        "until backward",
+        "at a mask choice",
     ]
-    for m in phase_memory(sparsifier, shards, compute_dtype):
-        kept = m.weights + m.masks + m.whole_masks + m.packing
-        rows.append(
-            [f"phase {m.phase + 1}"]
-            + [_mib(v) for v in (m.weights, m.masks, m.whole_masks, m.packing, kept)]
-            + [f"+{_mib(m.until_backward)}" if m.until_backward else "-"]
-            + [f"+{_mib(m.at_mask_choice)} (transient)" if m.at_mask_choice else "-"]
+    fits = gpu is not None and gpu.memory_gib is not None
+    rows = [header + ([f"fits {gpu.name} ({gpu.memory_gib:g} GiB)"] if fits else [])]  # type: ignore[union-attr]
+    found = phase_memory(sparsifier, shards, compute_dtype, parameters)
+    if not sparsifier.algorithms:
+        found = []
+    for m in found:
+        values = (
+            m.parameters,
+            m.gradients,
+            m.optimizer_state,
+            m.masks,
+            m.whole_masks,
+            m.packing,
+            m.logits,
+            m.kept,
         )
+        row = [f"phase {m.phase + 1}"] + [_mib(v) for v in values]
+        row += [f"+{_mib(m.until_backward)}" if m.until_backward else "-"]
+        row += [f"+{_mib(m.at_mask_choice)} (transient)" if m.at_mask_choice else "-"]
+        if fits:
+            row.append(fit_verdict(m.peak, gpu.memory_gib))  # type: ignore[union-attr,arg-type]
+        rows.append(row)
     return text_table(rows) if len(rows) > 1 else []
+
+
+def fit_verdict(peak: int, memory_gib: float) -> str:
+    """Whether ``peak`` bytes fit a GPU of ``memory_gib`` GiB, and by how much.
+
+    Example:
+        >>> fit_verdict(60 * 2**30, 80), fit_verdict(90 * 2**30, 80)
+        ('yes: 60.0 GiB, 20.0 left', 'no: 90.0 GiB, 10.0 over')
+    """
+    need, have = peak / 2**30, memory_gib
+    if need <= have:
+        return f"yes: {need:.1f} GiB, {have - need:.1f} left"
+    return f"no: {need:.1f} GiB, {need - have:.1f} over"
 
 
 def _mib(count: int) -> str:
     return f"{count / 2**20:.1f}"
 
 
-__all__ = ["PACKING_BYTES", "PhaseMemory", "memory_table", "phase_memory"]
+__all__ = [
+    "OPTIMIZER_STATES",
+    "PACKING_BYTES",
+    "PhaseMemory",
+    "fit_verdict",
+    "memory_table",
+    "phase_memory",
+    "sharded_bytes",
+]

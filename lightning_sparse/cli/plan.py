@@ -115,6 +115,9 @@ class SchedulePlan:
     sharded: bool = (
         False  #: FSDP2 (``ModelParallelStrategy``) shards the weights over them
     )
+    model: nn.Module | None = (
+        None  #: the model planned (on the meta device from the CLI)
+    )
 
     @property
     def run_savings(self) -> float:
@@ -344,7 +347,9 @@ def plan_schedule(
     if sharded is None:
         sharded = isinstance(trainer.strategy, ModelParallelStrategy)
     processes = world_size or trainer.world_size
-    return SchedulePlan(run, how, groups, flops, gpu, precision, processes, sharded)
+    return SchedulePlan(
+        run, how, groups, flops, gpu, precision, processes, sharded, model
+    )
 
 
 def kernel_share(plan: SchedulePlan, group: GroupPlan) -> list[float]:
@@ -429,7 +434,9 @@ def _memory_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
     """The group's memory per rank by sparse phase (:mod:`lightning_sparse.cli.memory`),
     sharded over the run's ranks under FSDP2."""
     shards = plan.world_size if plan.sharded else 1
-    table = memory_table(group.sparsifier, shards, autocast_dtype(plan.precision))
+    parameters = None if plan.model is None else plan.model.parameters()
+    dtype = autocast_dtype(plan.precision)
+    table = memory_table(group.sparsifier, shards, dtype, parameters, plan.gpu)
     if not table:
         return []
     if plan.sharded:
@@ -443,9 +450,12 @@ def _memory_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
         )
         how = f"not sharded: whole weights and masks on {ranks}"
     title = (
-        f"memory per rank for the selected weights, MiB ({how}; until backward: sparse "
-        f"copies of the weights the forward keeps for the backward; the rest of the model, "
-        f"other activations and optimizer state not counted; lightning_sparse/cli/memory.py):"
+        f"memory per rank, MiB ({how}; the model's parameters, their gradients and 2 tensors "
+        f"of optimizer state each (Adam's moments); until backward: what the sparsity path "
+        f"adds to the activations kept for the backward; at a mask choice: the largest "
+        f"layer gathered with its mask; other activations and the mask algorithm's own work "
+        f"not counted: a phase that fits leaves the rest to them; "
+        f"lightning_sparse/cli/memory.py):"
     )
     return _wrap(title, 2) + ["    " + line for line in table]
 

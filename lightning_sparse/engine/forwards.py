@@ -177,17 +177,9 @@ class LayerForwards:
                     choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
                 self.choices[phase.index, t.name] = choice
 
-    def install_all(
-        self,
-        phase_index: int,
-        targets: Sequence[ParamTarget],
-        algo: SparsityAlgorithm,
-        masks: Mapping[str, Tensor],
-    ) -> None:
-        """:meth:`install` every target's forward for new masks; :meth:`verify` then checks
-        that they all ran."""
-        for t in targets:
-            self.install(phase_index, t, algo, masks[t.name])
+    def installed(self) -> None:
+        """Every target's forward was just :meth:`install` ed for new masks: :meth:`verify`
+        then checks that they all ran."""
         self._unverified = True
 
     def install(
@@ -254,7 +246,7 @@ class LayerForwards:
     def verify(
         self, targets: Sequence[ParamTarget], allow_skipped: bool = False
     ) -> None:
-        """After the first forwards since :meth:`install_all`: raise if a layer given a sparse
+        """After the first forwards since :meth:`installed`: raise if a layer given a sparse
         forward did not run it (a model that reads the weight some other way would train and
         evaluate it dense while the logs report it sparse); with ``allow_skipped`` (a model
         that skips layers on purpose), log them instead."""

@@ -8,6 +8,8 @@ threshold of the layer, exactly as on one device (ties are broken by global posi
 cost of one all-gather of the layer per mask update (the size of one FSDP forward all-gather).
 
 Plain tensors pass through both functions unchanged, so single-device and DDP runs pay nothing.
+A mask choice reads the layers through :class:`OneAtATime`, so that it holds one layer's whole
+weight (and mask) at a time, not the whole group's.
 
 Example:
     >>> import torch
@@ -17,6 +19,8 @@ Example:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -52,3 +56,32 @@ def shard_like(full: Tensor, reference: Tensor) -> Tensor:
         reference.placements,  # type: ignore[attr-defined]
         src_data_rank=None,
     )
+
+
+class OneAtATime(Mapping[str, Tensor]):
+    """Tensors by name, each made by ``make(name)`` when read and not kept: a loop that reads
+    one name at a time holds one at a time (a gathered layer is freed before the next is
+    gathered). ``make`` may gather (a collective): every rank must read the same names in the
+    same order; read each name once where its value is changed in place.
+
+    Example:
+        >>> made = []
+        >>> rows = OneAtATime(["a", "b"], lambda name: made.append(name) or torch.ones(2))
+        >>> [tuple(t.shape) for t in rows.values()], made
+        ([(2,), (2,)], ['a', 'b'])
+    """
+
+    def __init__(self, names: Sequence[str], make: Callable[[str], Tensor]) -> None:
+        self._names = list(names)
+        self._make = make
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._make(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

@@ -74,7 +74,7 @@ from lightning_sparse.engine.resume import (
     plan_restore,
     schedule_record,
 )
-from lightning_sparse.engine.sharding import gather_full, shard_like
+from lightning_sparse.engine.sharding import OneAtATime, gather_full, shard_like
 from lightning_sparse.masks import name_seed, sparsity_fraction
 from lightning_sparse.masks.elementwise import (
     apply_mask_change_,
@@ -172,7 +172,9 @@ class Sparsifier:
         )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
-        self._mask_versions: dict[str, int] = {}  # each stored mask's, as last written here
+        self._mask_versions: dict[
+            str, int
+        ] = {}  # each stored mask's, as last written here
         self.last_update_step = -1
         self.history: list[
             tuple[int, int | None]
@@ -246,30 +248,43 @@ class Sparsifier:
             return
         rows = handed if handed is not None else self._first_masks(algo, step)
         if isinstance(algo, Learned):
+            rows = dict(rows)  # its priors, all at once
             algo.begin(step, rows)
             self.log(describe_start(self.name, algo, step))
+        targets = {t.name: t for t in self.targets}
         self._apply(
-            {t.name: _stored(t, rows[t.name]) for t in self.targets}, optimizers
+            OneAtATime(targets, lambda name: _stored(targets[name], rows[name])),
+            optimizers,
         )
 
-    def _first_masks(self, algo: SparsityAlgorithm, step: int) -> dict[str, Tensor]:
-        """The phase's first masks, as rows, chosen by its algorithm at ``step``."""
+    def _first_masks(self, algo: SparsityAlgorithm, step: int) -> Mapping[str, Tensor]:
+        """The phase's first masks, as rows, chosen by its algorithm at ``step``, each when it
+        is read (:class:`~lightning_sparse.engine.sharding.OneAtATime`: one layer's whole
+        weight gathered at a time)."""
         norms = self._calibrate(algo, step) if algo.calibrates else {}
-        # algorithms see rows: each weight as its layer computes, inputs last (core.layers)
-        weights = {
-            t.name: _rows(t, gather_full(t.param.detach())) for t in self.targets
-        }
+        weights = self._whole_rows()
         # input_norms only for init='wanda': a custom layer_targets may not take them
         extra = {"input_norms": norms} if norms else {}
         targets = algo.layer_targets(step, weights, None, **extra)
-        return {
-            t.name: algo.initial_mask(
-                weights[t.name],
-                targets[t.name],
-                MaskContext(t.name, step, algo.seed, input_norm=norms.get(t.name)),
-            )
-            for t in self.targets
-        }
+
+        def choose(name: str) -> Tensor:
+            context = MaskContext(name, step, algo.seed, input_norm=norms.get(name))
+            return algo.initial_mask(weights[name], targets[name], context)
+
+        return OneAtATime(weights, choose)
+
+    def _whole_rows(self, masks: bool = False) -> OneAtATime:
+        """Each target's whole weight (``masks``: its stored mask) as rows, gathered when read
+        and not kept: algorithms see rows, each weight as its layer computes, inputs last
+        (:mod:`~lightning_sparse.core.layers`)."""
+        targets = {t.name: t for t in self.targets}
+
+        def whole(name: str) -> Tensor:
+            t = targets[name]
+            tensor = self.masks[name] if masks else t.param.detach()
+            return _rows(t, gather_full(tensor))
+
+        return OneAtATime(targets, whole)
 
     def _hand_over(
         self, new: ResolvedPhase | None, step: int
@@ -331,24 +346,29 @@ class Sparsifier:
     @torch.no_grad()
     def _apply(
         self,
-        masks: dict[str, Tensor],
+        masks: Mapping[str, Tensor],
         optimizers: Sequence[torch.optim.Optimizer],
         zero_state: bool = True,
     ) -> None:
-        """Make new ``masks`` (whole-tensor masks, identical on every rank) take effect: pruned
-        weights become zeros and, with ``zero_state``, so does their optimizer state. Stored
-        masks are laid out like their parameters (sharded for a DTensor); a straight-through
-        forward keeps the whole mask, since it runs on the gathered weight."""
+        """Make new ``masks`` (whole-tensor masks, identical on every rank; each read once, in
+        the targets' order, so a :class:`~lightning_sparse.engine.sharding.OneAtATime` chooses
+        one layer's at a time) take effect: pruned weights become zeros and, with
+        ``zero_state``, so does their optimizer state. Stored masks are laid out like their
+        parameters (sharded for a DTensor); a straight-through forward keeps the whole mask,
+        since it runs on the gathered weight."""
         algo = self.algorithm
         assert algo is not None
         assert self.current is not None
         for t in self.targets:
-            mask = self.masks[t.name] = shard_like(masks[t.name], t.param)
+            whole = masks[t.name]
+            mask = self.masks[t.name] = shard_like(whole, t.param)
             if not algo.straight_through:
                 multiply_by_mask_(t.param.detach(), mask)
                 if zero_state:
                     zero_optimizer_state(optimizers, t.param, ~mask)
-        self.forwards.install_all(self.current.index, self.targets, algo, masks)
+            self.forwards.install(self.current.index, t, algo, whole)
+            del whole, mask  # before the next layer's is chosen
+        self.forwards.installed()
         self._grad_lists.clear()
         self._written()
 
@@ -427,7 +447,9 @@ class Sparsifier:
         algo, phase = self.algorithm, self.current
         where = f"[{self.name}] set_masks"
         if algo is None or phase is None:
-            raise ValueError(f"{where}: the current phase is dense, so it has no masks to set")
+            raise ValueError(
+                f"{where}: the current phase is dense, so it has no masks to set"
+            )
         if algo.projects or algo.learns:
             raise ValueError(
                 f"{where}: phase {phase.index + 1} ({phase.spec.describe()}) does not store "
@@ -517,39 +539,42 @@ class Sparsifier:
                 f"[{self.name}] step {step}: mask update skipped: non-finite weights or gradients"
             )
             return False
-        weights = {
-            t.name: _rows(t, gather_full(t.param.detach())) for t in self.targets
-        }
-        # plain tensors as rows: for a Linear, the stored masks themselves, which the
-        # algorithm edits in place; for other layers, copies laid out as rows
-        masks = {
-            t.name: _rows(t, gather_full(self.masks[t.name])) for t in self.targets
-        }
+        # one layer's whole weight and mask at a time; plain tensors as rows: for a Linear,
+        # the stored masks themselves, which the algorithm edits in place; for other layers
+        # (and sharded ones), copies laid out as rows, each read once below
+        weights, masks = self._whole_rows(), self._whole_rows(masks=True)
         targets = algo.layer_targets(step, weights, masks)
         stored: dict[str, Tensor] = {}
 
         def update_layer(t: ParamTarget) -> None:  # on a worker thread, perhaps
+            weight, rows = weights[t.name], masks[t.name]
             grad = None if t.param.grad is None else gather_full(t.param.grad.detach())
             changed = algo.update_mask_(
-                weights[t.name],
-                masks[t.name],
+                weight,
+                rows,
                 targets[t.name],
                 MaskContext(
                     t.name, step, algo.seed, None if grad is None else _rows(t, grad)
                 ),
             )
-            mask = stored[t.name] = _stored(t, masks[t.name])
+            mask = _stored(t, rows)
             changed = None if changed is None else _stored(t, changed)
             self._apply_change(t, mask, changed, optimizers)
+            if workers == 1:  # before the next layer is gathered
+                self.forwards.install(phase, t, algo, mask)
+            else:
+                stored[t.name] = mask
 
+        assert self.current is not None
+        phase = self.current.index
         params = [t.param for t in self.targets]
         workers = update_threads(algo.layers_in_parallel, params)
         sizes = [p.numel() for p in params]
         for_each_layer(update_layer, self.targets, sizes, workers)
-        # forwards are installed on this thread: layers may share a module
-        assert self.current is not None
+        # worker threads leave the forwards to this thread: layers may share a module
         for t in self.targets:
-            self.forwards.install(self.current.index, t, algo, stored[t.name])
+            if t.name in stored:
+                self.forwards.install(phase, t, algo, stored[t.name])
         self._grad_lists.clear()
         self._written()
         self.last_update_step = step
