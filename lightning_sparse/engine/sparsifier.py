@@ -172,7 +172,9 @@ class Sparsifier:
         )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
-        self._mask_versions: dict[str, int] = {}  # each stored mask's, as last written here
+        self._mask_versions: dict[
+            str, int
+        ] = {}  # each stored mask's, as last written here
         self.last_update_step = -1
         self.history: list[
             tuple[int, int | None]
@@ -427,7 +429,9 @@ class Sparsifier:
         algo, phase = self.algorithm, self.current
         where = f"[{self.name}] set_masks"
         if algo is None or phase is None:
-            raise ValueError(f"{where}: the current phase is dense, so it has no masks to set")
+            raise ValueError(
+                f"{where}: the current phase is dense, so it has no masks to set"
+            )
         if algo.projects or algo.learns:
             raise ValueError(
                 f"{where}: phase {phase.index + 1} ({phase.spec.describe()}) does not store "
