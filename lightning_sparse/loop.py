@@ -242,6 +242,7 @@ class SparseTraining:
         if settings.verbose:
             log(plan_table(self.sparsifier, self.selection))
         self.flips = FlipRate() if flips is None else flips
+        self._total_steps = run.total_steps
         self.active = False
         self._pending_state: dict[str, Any] | None = None
         # the loop's own bookkeeping (the callback counts steps with the trainer's)
@@ -277,6 +278,8 @@ class SparseTraining:
         self._start(self.current_step)
 
     def _start(self, step: int) -> None:
+        if step >= self._total_steps:
+            return  # the run is over: its last phase (its masks and forwards) stays
         every = self.settings.log_every_n_steps or DEFAULT_LOG_EVERY
         self.start_step(step, self.optimizers, snapshot=step % every == 0)
 
