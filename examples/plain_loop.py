@@ -76,9 +76,9 @@ def build(
     warmup = max(1, total_steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: min(1.0, (s + 1) / warmup)
-        * 0.5
-        * (1 + math.cos(math.pi * s / total_steps)),
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / total_steps))
+        ),
     )
     sparsity = SparseTraining(
         model,
