@@ -410,8 +410,11 @@ class SparsityCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state, rng = read_state(state_dict, self.name, self.restore_rng, rank_zero_warn)
         self.flips.load_state_dict(state.get("flip_rate"), f"[{self.name}]")
-        self._pending_state = state
         self._pending_rng = rng
+        if self.training is None:  # before fit start: it takes the state when built
+            self._pending_state = state
+        else:  # a sharded strategy restores callbacks after fit start
+            self.training.restore_later(state)
 
 
 def check_distinct_names(callbacks: Sequence[Callback]) -> None:

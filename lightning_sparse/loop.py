@@ -89,9 +89,10 @@ class SparseTraining:
             :meth:`metrics` then reports.
         verbose: print (on rank 0) the plan table, each phase change and mask-update
             notice, and the summary at :meth:`end`; warnings go to ``warnings.warn`` either way.
-        sparsity, phases, params, exclude, backend, name, verify_speed, verify_speed_tokens,
-        on_schedule_change, allow_skipped_layers, restore_rng, **phase_options: as for
-            :class:`~lightning_sparse.SparsityCallback`.
+        **phase_options: with ``sparsity=``, the keys of its one phase. ``sparsity``,
+            ``phases``, ``params``, ``exclude``, ``backend``, ``name``, ``verify_speed``,
+            ``verify_speed_tokens``, ``on_schedule_change``, ``allow_skipped_layers`` and
+            ``restore_rng`` are those of :class:`~lightning_sparse.SparsityCallback`.
 
     The schedule starts at step 0 when the object is built (the first phase's masks apply
     then), so build it before loading a checkpoint into the model and optimizer; then
@@ -327,8 +328,7 @@ class SparseTraining:
         if rng is not None:
             rng_state.restore_rank(rng, rank(), world_size(), f"[{self.name}]")
         self.flips.load_state_dict(state.get("flip_rate"), f"[{self.name}]")
-        self._pending_state = state
-        self.active = False
+        self.restore_later(state)
         self._stepped.clear()
         self.current_step = saved
         self.activate(saved, self.optimizers)
@@ -398,6 +398,13 @@ class SparseTraining:
             change = self.sparsifier.on_step_start(step, optimizers)
         self._report(change)
         return change
+
+    def restore_later(self, state: Mapping[str, Any]) -> None:
+        """Keep a checkpoint's group ``state`` (checked by :func:`read_state`) for the next
+        :meth:`activate` to restore (Lightning restores a sharded strategy's callbacks after
+        fit start)."""
+        self._pending_state = dict(state)
+        self.active = False
 
     def start_step(
         self, step: int, optimizers: Sequence[torch.optim.Optimizer], snapshot: bool
