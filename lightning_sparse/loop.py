@@ -288,6 +288,8 @@ class SparseTraining:
         self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     ) -> None:
         """The step pre-hook of each optimizer: the group's work on the final gradients."""
+        if _initializing_state(optimizer):
+            return
         self._refuse_ended("optimizer.step()")
         if id(optimizer) in self._stepped:
             raise RuntimeError(
@@ -559,6 +561,19 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
             f"{optimizer!r}"
         )
     return optimizers
+
+
+def _initializing_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this ``optimizer.step()`` only creates the optimizer's state: what
+    ``torch.distributed.checkpoint`` does before loading into an optimizer without state (FSDP2
+    checkpoints), a step of all-zero gradients at learning rate 0, which trains nothing."""
+    if optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if any(float(group.get("lr", 1.0)) != 0.0 for group in groups):
+        return False
+    grads = [p.grad for group in groups for p in group["params"] if p.requires_grad]
+    return all(g is not None and not g.any() for g in grads)
 
 
 def _print_on_rank_zero(message: str) -> None:
