@@ -281,3 +281,23 @@ def test_the_loop_and_its_export_import_no_lightning() -> None:
         cwd=ROOT,
     )
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_zero_gradient_step_at_learning_rate_0_before_any_state_is_not_a_step() -> (
+    None
+):
+    """What torch.distributed.checkpoint runs to create an optimizer's state before loading
+    into it: no step counted, no mask touched; the first real step after it counts."""
+    net, optimizer, sparsity = tiny_loop()
+    masks = sparsity.sparsifier.state_dict()["masks"]
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.param_groups[0]["lr"] = 0.0
+    optimizer.step()  # creates no state for SGD: a second one is the same
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.1
+    backward(net)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="ran twice"):
+        optimizer.step()  # the real step was counted
+    assert equal_states(sparsity.sparsifier.state_dict()["masks"], masks)
