@@ -301,3 +301,19 @@ def test_a_zero_gradient_step_at_learning_rate_0_before_any_state_is_not_a_step(
     with pytest.raises(RuntimeError, match="ran twice"):
         optimizer.step()  # the real step was counted
     assert equal_states(sparsity.sparsifier.state_dict()["masks"], masks)
+
+
+def test_metrics_report_the_schedule_for_a_logger() -> None:
+    """50% static on one 8x8 weight: target and actual 0.5 in phase 1; a static mask's flip
+    rate, measured over step 0, is 0."""
+    net, optimizer, sparsity = tiny_loop()
+    assert "sparsity/sparsity/flip_rate" not in sparsity.metrics()
+    backward(net)
+    optimizer.step()
+    sparsity.step()
+    assert sparsity.metrics() == {
+        "sparsity/sparsity/target": 0.5,
+        "sparsity/sparsity/actual": 0.5,
+        "sparsity/sparsity/phase": 1.0,
+        "sparsity/sparsity/flip_rate": 0.0,
+    }
