@@ -56,6 +56,9 @@ def test_a_resume_from_a_mid_run_checkpoint_is_the_uninterrupted_run(
     assert equal_states(straight_state["masks"], resumed_state["masks"])
     assert straight_state["history"] == resumed_state["history"]
     assert straight_state["step"] == resumed_state["step"] == 10
+    # the flip rate measured over step 0, before the checkpoint, resumes with it
+    assert straight_state["flip_rate"]["first"][0] == 0
+    assert straight_state["flip_rate"] == resumed_state["flip_rate"]
     if phases is DENSE_AFTER_24:
         assert straight_state["history"] == [(0, 0), (7, 1)]
     if phases is RIGL:  # hard masks: half of each selected weight is stored as zeros
