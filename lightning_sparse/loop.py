@@ -261,7 +261,7 @@ class SparseTraining:
     def step(self) -> None:
         """Call once after each optimizer step (after every optimizer's, with several): the
         step count goes on, and the next step's phase begins if one is due."""
-        self._refuse_ended("step")
+        self._refuse_ended("SparseTraining.step()")
         if not self._stepped and not self._idle_warned:
             self._idle_warned = True
             self._warn(
@@ -290,7 +290,6 @@ class SparseTraining:
         """The step pre-hook of each optimizer: the group's work on the final gradients."""
         if _initializing_state(optimizer):
             return
-        self._refuse_ended("optimizer.step()")
         if id(optimizer) in self._stepped:
             raise RuntimeError(
                 f"[{self.name}] optimizer.step() ran twice at step {self.current_step} "
@@ -378,8 +377,8 @@ class SparseTraining:
     def _refuse_ended(self, call: str) -> None:
         if self._ended:
             raise RuntimeError(
-                f"[{self.name}] {call} after SparseTraining.end(): end() is the last call; "
-                f"build a new SparseTraining to train on"
+                f"[{self.name}] {call} after SparseTraining.end(): end() is the last call (it "
+                f"removed the optimizer hooks); build a new SparseTraining to train on"
             )
 
     # -- the calls of a front end with its own step count (the Lightning callback) --------------

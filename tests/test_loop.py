@@ -320,3 +320,16 @@ def test_metrics_report_the_schedule_for_a_logger() -> None:
         "sparsity/sparsity/phase": 1.0,
         "sparsity/sparsity/flip_rate": 0.0,
     }
+
+
+def test_the_end_is_the_last_call() -> None:
+    """After end() the optimizer steps without the group's work, and step() says why."""
+    net, optimizer, sparsity = tiny_loop()
+    sparsity.end()
+    backward(net)
+    optimizer.step()
+    optimizer.step()  # no hook left: no "ran twice"
+    with pytest.raises(
+        RuntimeError, match=r"SparseTraining\.step\(\) after SparseTraining\.end\(\)"
+    ):
+        sparsity.step()
