@@ -1,7 +1,10 @@
-"""Sparse training on a schedule for PyTorch Lightning.
+"""Sparse training on a schedule for PyTorch Lightning, Fabric and your own loop.
 
 >>> from lightning_sparse import SparsityCallback
 >>> cb = SparsityCallback(phases=[{"sparsity": "2:4", "until": 0.7}, {"sparsity": 0.0}])
+
+:class:`SparsityCallback` serves ``Trainer``; :class:`SparseTraining` the same engine in a loop
+you write (Fabric or plain PyTorch).
 
 The public names load on first use, so that ``import lightning_sparse`` (and the command
 line's ``--help``) imports neither torch nor Lightning.
@@ -21,9 +24,10 @@ _HOMES = {  # public name -> the module that defines it
     "Phase": "lightning_sparse.core.schedule",
     "Sparsifier": "lightning_sparse.engine.sparsifier",
     "SparsityAlgorithm": "lightning_sparse.algorithms",
+    "SparseTraining": "lightning_sparse.loop",
     "SparsityCallback": "lightning_sparse.callback",
     "export_state_dict": "lightning_sparse.formats.export",
-    "fold_masks": "lightning_sparse.formats.export",
+    "fold_masks": "lightning_sparse.formats.fold",
     "load_compressed": "lightning_sparse.formats.compressed",
     "register_algorithm": "lightning_sparse.algorithms",
     "save_compressed": "lightning_sparse.formats.compressed",
@@ -61,6 +65,8 @@ if (
     from lightning_sparse.core.selection import select_parameters
     from lightning_sparse.engine.sparsifier import Sparsifier
     from lightning_sparse.formats.compressed import load_compressed, save_compressed
-    from lightning_sparse.formats.export import export_state_dict, fold_masks
+    from lightning_sparse.formats.export import export_state_dict
+    from lightning_sparse.formats.fold import fold_masks
     from lightning_sparse.formats.inference import to_semi_structured
+    from lightning_sparse.loop import SparseTraining
     from lightning_sparse.masks import NM

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, fields
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,34 +13,26 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_sparse import rng_state
-from lightning_sparse.algorithms import RunLength, check_phases
-from lightning_sparse.backends import validate_backend
+from lightning_sparse.algorithms import RunLength
 from lightning_sparse.backends.capability import autocast_dtype
-from lightning_sparse.backends.cuda_graphs import compiled_with_cuda_graphs
 from lightning_sparse.backends.gpus import GpuTarget
-from lightning_sparse.backends.speed import CUDA_GRAPHS, timing_for
 from lightning_sparse.calibration import TrainLoaderForwards, example_forward
-from lightning_sparse.core.head import record_calls
-from lightning_sparse.core.schedule import (
-    Phase,
-    counts_epochs,
-    resolve_phases,
-    validate_phase_list,
-)
-from lightning_sparse.core.selection import (
-    Selection,
-    check_disjoint,
-    compile_patterns,
-    empty_selection_message,
-    select_parameters,
-)
+from lightning_sparse.core.schedule import Phase, counts_epochs
+from lightning_sparse.core.selection import Selection
 from lightning_sparse.engine.flips import FlipRate
-from lightning_sparse.engine.report import plan_table, summary
-from lightning_sparse.engine.resume import ON_SCHEDULE_CHANGE
 from lightning_sparse.engine.sparsifier import PhaseChange, Sparsifier
 from lightning_sparse.fit_start import check_strategy, fit_run_length
 from lightning_sparse.formats import cerebras
+from lightning_sparse.loop import SparseTraining, read_state
 from lightning_sparse.openmp import busy_machine_notice
+from lightning_sparse.settings import GroupSettings
+
+
+def _setting(name: str) -> property:
+    """A read-only attribute of the callback: the checked option ``name``."""
+    return property(
+        lambda self: getattr(self.settings, name), doc=f"The ``{name}`` option."
+    )
 
 
 class SparsityCallback(Callback):
@@ -144,80 +135,54 @@ class SparsityCallback(Callback):
         restore_rng: bool = False,
         **phase_options: Any,
     ) -> None:
-        if (sparsity is None) == (phases is None):
-            raise ValueError(
-                "SparsityCallback needs exactly one of sparsity= (one phase for the whole run, "
-                "e.g. sparsity=0.7) or phases= (e.g. phases=[{'sparsity': '2:4', 'until': 0.7}, "
-                f"{{'sparsity': 0.0}}]); got sparsity={sparsity!r}, phases={phases!r}"
-            )
-        # LightningCLI passes every phase key, the unset ones at their defaults
-        phase_options = {
-            key: value
-            for key, value in phase_options.items()
-            if key not in _PHASE_DEFAULTS or value != _PHASE_DEFAULTS[key]
-        }
-        check_phase_options(phase_options, sparsity is not None)
-        if phases is None:
-            # a call of Phase itself, so that LightningCLI knows the options' types
-            phases = [Phase(sparsity=sparsity, **phase_options)]
-        if not isinstance(phases, Sequence) or isinstance(phases, str):
-            raise TypeError(
-                f"phases={phases!r}: give a list of phases, e.g. [{{'sparsity': 0.7}}]"
-            )
-        self.phases = [Phase.from_any(p, f"phases[{i}]") for i, p in enumerate(phases)]
-        validate_phase_list(self.phases)
-        check_phases(self.phases)
-        compile_patterns(params, "params")
-        compile_patterns(exclude, "exclude")
-        self.params = params
-        self.exclude = exclude
-        self.backend = validate_backend(backend, verify_speed, verify_speed_tokens)
-        self.verify_speed = verify_speed
-        self.verify_speed_tokens = verify_speed_tokens
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name={name!r}: give the group a non-empty string name")
-        self.name = name
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"log_every_n_steps={log_every_n_steps!r}: use a positive integer"
-            )
-        self.log_every_n_steps = log_every_n_steps
-        if not isinstance(verbose, bool):
-            raise TypeError(f"verbose={verbose!r}: use True or False")
-        self.verbose = verbose
-        if on_schedule_change not in ON_SCHEDULE_CHANGE:
-            raise ValueError(
-                f"on_schedule_change={on_schedule_change!r}: use 'error' (a resume from a "
-                f"checkpoint trained with other phases or parameters stops and names the "
-                f"differences) or 'reselect' (this schedule applies from the resume step, "
-                f"masks chosen afresh there)"
-            )
-        self.on_schedule_change = on_schedule_change
-        if not isinstance(allow_skipped_layers, bool):
-            raise TypeError(
-                f"allow_skipped_layers={allow_skipped_layers!r}: use True (a layer that does "
-                f"not run in the first sparse step is logged) or False (an error, the default)"
-            )
-        self.allow_skipped_layers = allow_skipped_layers
-        if not isinstance(restore_rng, bool):
-            raise TypeError(
-                f"restore_rng={restore_rng!r}: use True (checkpoints hold every process's "
-                f"random number generator states, restored when training resumes) or False"
-            )
-        self.restore_rng = restore_rng
+        self.settings = GroupSettings(
+            "SparsityCallback",
+            sparsity,
+            phases,
+            params,
+            exclude,
+            backend,
+            name,
+            log_every_n_steps,
+            verbose,
+            verify_speed,
+            verify_speed_tokens,
+            on_schedule_change,
+            allow_skipped_layers,
+            restore_rng,
+            **phase_options,
+        )
         # a checkpoint's generator states (restore_rng), until fit start sets them
         self._pending_rng: Any = None
-        self.sparsifier: Sparsifier | None = None
-        self.selection: Selection | None = None
+        #: the engine of the latest fit, built at its start
+        self.training: SparseTraining | None = None
         self._pending_state: dict[str, Any] | None = None
-        self._active = False
         self._last_logged_step = -1
         self._shown: int | None = None  # the phase number in the progress bar
         self.flips = FlipRate()
+
+    phases = _setting("phases")
+    params = _setting("params")
+    exclude = _setting("exclude")
+    backend = _setting("backend")
+    name = _setting("name")
+    log_every_n_steps = _setting("log_every_n_steps")
+    verbose = _setting("verbose")
+    verify_speed = _setting("verify_speed")
+    verify_speed_tokens = _setting("verify_speed_tokens")
+    on_schedule_change = _setting("on_schedule_change")
+    allow_skipped_layers = _setting("allow_skipped_layers")
+    restore_rng = _setting("restore_rng")
+
+    @property
+    def sparsifier(self) -> Sparsifier | None:
+        """The engine of the latest fit (``None`` before one starts)."""
+        return None if self.training is None else self.training.sparsifier
+
+    @property
+    def selection(self) -> Selection | None:
+        """The parameters the latest fit selected (``None`` before one starts)."""
+        return None if self.training is None else self.training.selection
 
     @classmethod
     def from_config(
@@ -255,9 +220,7 @@ class SparsityCallback(Callback):
         state = self.state_dict() if mine and trainer.global_step > 0 else None
         if mine and state is None:
             previous.close()
-        self.sparsifier = None
-        self.selection = None
-        self._active = False
+        self.training = None
         self.flips = FlipRate()
         if state is not None:  # the same trainer goes on: so does the flip-rate summary
             self.flips.load_state_dict(state.get("flip_rate"), f"[{self.name}]")
@@ -285,27 +248,20 @@ class SparsityCallback(Callback):
             and cb is not self
             and cb.selection is not None
         ]
-        self.sparsifier, self.selection = self.build(
+        self.training = SparseTraining.from_settings(
+            self.settings,
             pl_module,
             fit_run_length(trainer, counts_epochs(self.phases)),
-            autocast_dtype(trainer.precision),
-            others,
+            compute_dtype=autocast_dtype(trainer.precision),
+            others=others,
             calibration_forwards=TrainLoaderForwards(trainer),
             example_forward=example_forward(pl_module, trainer),
+            flips=self.flips,
+            pending_state=self._pending_state,
+            log=rank_zero_info,
+            warn=rank_zero_warn,
         )
-        for warning in self.sparsifier.schedule_warnings():
-            rank_zero_warn(warning)
-        if self.verify_speed == CUDA_GRAPHS and not compiled_with_cuda_graphs(
-            pl_module
-        ):
-            rank_zero_warn(
-                f"[{self.name}] verify_speed='cuda_graphs' times each layer replayed as a CUDA "
-                f"graph, but the model is not compiled with CUDA graphs (torch.compile with "
-                f"mode='reduce-overhead' or 'max-autotune'): a layer kept on 2:4 kernels may "
-                f"run slower than dense eagerly; use verify_speed=True to time it as it runs"
-            )
-        if self.verbose:
-            rank_zero_info(plan_table(self.sparsifier, self.selection))
+        self._pending_state = None
 
     def build(
         self,
@@ -337,60 +293,23 @@ class SparsityCallback(Callback):
             >>> [(p.start, p.end) for p in sparsifier.phases], [t.name for t in selection.targets]
             ([(0, 70), (70, 100)], ['0.weight'])
         """
-        resolved = resolve_phases(
-            self.phases, run.total_steps, run.steps_per_epoch, run.advice
-        )
-        calls = None
-        if self.params is None and example_forward is not None:
-            source = "the forward of example_input_array"
-            calls = record_calls(pl_module, example_forward, source)
-        selection = select_parameters(
-            pl_module, self.params, self.exclude, resolved, calls
-        )
-        check_disjoint(self.name, selection, others)
-        if not selection.targets and any(not p.spec.is_dense for p in resolved):
-            raise ValueError(
-                empty_selection_message(selection, self.name, type(pl_module).__name__)
-            )
-        timing = (
-            timing_for(self.verify_speed, pl_module) if self.backend == "auto" else None
-        )
-        sparsifier = Sparsifier(
-            self.name,
-            selection.targets,
-            resolved,
+        return self.settings.build(
+            pl_module,
             run,
-            self.backend,
+            compute_dtype,
+            others,
+            gpu,
+            calibration_forwards,
+            example_forward,
             log=rank_zero_info,
-            compute_dtype=compute_dtype,
-            verify_speed=timing or False,
-            gpu=gpu,
-            calibration_forwards=calibration_forwards,
-            allow_skipped_layers=self.allow_skipped_layers,
-            verify_speed_tokens=self.verify_speed_tokens,
-            verify_on_gpus_only=self.verify_speed is None,
         )
-        return sparsifier, selection
 
     def _activate(self, trainer: pl.Trainer) -> None:
         """Apply masks once everything is restored (before the first forward of the fit)."""
-        if self._active or self.sparsifier is None:
+        if self.training is None:
             return
-        self._active = True
-        if self._pending_state is not None:
-            change = self.sparsifier.load_state_dict(
-                self._pending_state,
-                trainer.optimizers,
-                trainer.global_step,
-                self.on_schedule_change,
-            )
-            self._pending_state = None
-            self._report_change(trainer, change)
-        else:
-            change = self.sparsifier.on_step_start(
-                trainer.global_step, trainer.optimizers
-            )
-            self._report_change(trainer, change)
+        change = self.training.activate(trainer.global_step, trainer.optimizers)
+        self._report_change(trainer, change)
 
     def on_sanity_check_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
@@ -410,24 +329,21 @@ class SparsityCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        assert self.sparsifier is not None
+        assert self.training is not None
         step = trainer.global_step
-        change = self.sparsifier.on_step_start(step, trainer.optimizers)
-        self._report_change(trainer, change)
         # only a logged step keeps a copy of its masks, from its first micro-batch to its end,
         # to count what it changed (for the loggers and the summary)
-        if (
-            step % self._every(trainer) == 0
-            and step != self.flips.snapshot_step
-            and (trainer.loggers or self.verbose)
-        ):
-            self.flips.snapshot(self.sparsifier, step)
+        snapshot = step % self._every(trainer) == 0 and bool(
+            trainer.loggers or self.verbose
+        )
+        change = self.training.start_step(step, trainer.optimizers, snapshot)
+        self._report_change(trainer, change)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        assert self.sparsifier is not None
-        self.sparsifier.before_optimizer_step(
+        assert self.training is not None
+        self.training.before_optimizer_step(
             trainer.global_step, optimizer, trainer.optimizers
         )
 
@@ -439,8 +355,8 @@ class SparsityCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        assert self.sparsifier is not None
-        phase = _phase_number(self.sparsifier)
+        assert self.training is not None
+        phase = self.training.phase_number
         if phase != self._shown:  # the bar keeps the value; `log` costs ~1 ms a call
             self._shown = phase
             pl_module.log(
@@ -452,12 +368,11 @@ class SparsityCallback(Callback):
                 on_epoch=False,
             )
         step = trainer.global_step
-        if self.flips.pending and step > self.flips.snapshot_step:  # the step is done
-            rate = self.flips.measure(self.sparsifier)
-            if rate is not None:
-                flips = {f"sparsity/{self.name}/flip_rate": rate}
-                for logger in trainer.loggers:
-                    logger.log_metrics(flips, step=self.flips.snapshot_step)
+        rate = self.training.finish_step(step)
+        if rate is not None:
+            flips = {f"sparsity/{self.name}/flip_rate": rate}
+            for logger in trainer.loggers:
+                logger.log_metrics(flips, step=self.flips.snapshot_step)
         if step != self._last_logged_step and step % self._every(trainer) == 0:
             self._log_sparsity(trainer, step)
 
@@ -465,36 +380,22 @@ class SparsityCallback(Callback):
         return self.log_every_n_steps or trainer.log_every_n_steps
 
     def _log_sparsity(self, trainer: pl.Trainer, step: int) -> None:
-        assert self.sparsifier is not None
+        assert self.training is not None
         self._last_logged_step = step
         if not trainer.loggers:
             return  # nothing would record it (counting the zeros reads every weight)
-        metrics = {
-            f"sparsity/{self.name}/target": self.sparsifier.target_sparsity(step),
-            f"sparsity/{self.name}/actual": self.sparsifier.actual_sparsity(),
-            f"sparsity/{self.name}/phase": float(_phase_number(self.sparsifier)),
-        }
-        for key, value in self.sparsifier.learned_statistics().items():
-            metrics[f"sparsity/{self.name}/{key}"] = value
+        metrics = self.training.metrics_at(step)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
     def _report_change(self, trainer: pl.Trainer, change: PhaseChange | None) -> None:
-        if change is None:
-            return
-        new = change.new
-        what = "dense" if new is None else new.spec.describe()
-        where = (
-            "after the last phase"
-            if new is None
-            else f"phase {new.index + 1}/{len(self.phases)}"
-        )
-        rank_zero_info(f"[{self.name}] step {change.step}: {where} begins: {what}")
-        self._log_sparsity(trainer, change.step)
+        """Send the sparsity at a phase change to the loggers (the engine printed it)."""
+        if change is not None:
+            self._log_sparsity(trainer, change.step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.sparsifier is not None and self.verbose:
-            rank_zero_info(summary(self.sparsifier, trainer.global_step, self.flips))
+        if self.training is not None and self.verbose:
+            rank_zero_info(self.training.summary(trainer.global_step))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a fit with no step left to train still ends with the engine in its state
@@ -502,68 +403,18 @@ class SparsityCallback(Callback):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self.sparsifier is None or not self._active:
+        if self.training is None:
             return dict(self._pending_state or {})
-        state = {**self.sparsifier.state_dict(), "flip_rate": self.flips.state_dict()}
-        if self.restore_rng:
-            state["rng"] = rng_state.capture_ranks()
-        return state
+        return self.training.group_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # the rest is checked when the masks are restored, once the targets are known
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(  # noqa: TRY004 (a file's content, not an argument's type)
-                f"[{self.name}] the checkpoint's sparsity state is a "
-                f"{type(state_dict).__name__}, not a dict; the checkpoint is damaged or was not "
-                f"written by SparsityCallback"
-            )
-        self.flips.load_state_dict(state_dict.get("flip_rate"), f"[{self.name}]")
-        self._pending_state = dict(state_dict)
-        self._active = False
-        if self.restore_rng:
-            self._pending_rng = state_dict.get("rng")
-            if self._pending_rng is None:
-                rank_zero_warn(
-                    f"[{self.name}] restore_rng=True, but the checkpoint holds no random "
-                    f"number generator states (it was written with restore_rng=False): "
-                    f"dropout and data order follow this run's generators from here"
-                )
-
-
-_PHASE_DEFAULTS = {
-    f.name: f.default if f.default is not MISSING else f.default_factory()
-    for f in fields(Phase)
-    if f.name != "sparsity"
-}
-PHASE_OPTIONS = tuple(_PHASE_DEFAULTS)
-"""The keys of a phase that ``SparsityCallback`` accepts beside ``sparsity=``."""
-
-
-def check_phase_options(options: Mapping[str, Any], one_phase: bool) -> None:
-    """Refuse ``SparsityCallback`` keyword ``options`` that are not a phase's keys, or that
-    come with ``phases=`` (``one_phase`` is ``False``), naming the fix.
-
-    Example:
-        >>> check_phase_options({"algorithm": "gmp"}, one_phase=False)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: algorithm='gmp' is a key of one phase: with phases=, give it inside ...
-    """
-    unknown = sorted(set(options) - set(PHASE_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"SparsityCallback got unknown argument(s) {unknown}: beside its own arguments it "
-            f"takes a phase's keys along with sparsity= ({', '.join(PHASE_OPTIONS)})"
-        )
-    if options and not one_phase:
-        given = ", ".join(f"{k}={v!r}" for k, v in options.items())
-        example = ", ".join(f"{k!r}: {v!r}" for k, v in options.items())
-        raise ValueError(
-            f"{given} {'is a key' if len(options) == 1 else 'are keys'} of one phase: with "
-            f"phases=, give {'it' if len(options) == 1 else 'them'} inside each phase that "
-            f"uses {'it' if len(options) == 1 else 'them'} (phases=[{{'sparsity': 0.9, "
-            f"{example}}}, ...]), or give sparsity= instead of phases= for one phase"
-        )
+        state, rng = read_state(state_dict, self.name, self.restore_rng, rank_zero_warn)
+        self.flips.load_state_dict(state.get("flip_rate"), f"[{self.name}]")
+        self._pending_rng = rng
+        if self.training is None:  # before fit start: it takes the state when built
+            self._pending_state = state
+        else:  # a sharded strategy restores callbacks after fit start
+            self.training.restore_later(state)
 
 
 def check_distinct_names(callbacks: Sequence[Callback]) -> None:
@@ -598,7 +449,3 @@ def _describe(cb: SparsityCallback) -> str:
     """``params=..., phases: ...`` of a callback, for messages."""
     params = "" if cb.params is None else f"params={cb.params!r}, "
     return params + "phases: " + ", ".join(p.describe() for p in cb.phases)
-
-
-def _phase_number(sparsifier: Sparsifier) -> int:
-    return 0 if sparsifier.current is None else sparsifier.current.index + 1

@@ -27,6 +27,13 @@ def world_size() -> int:
     return 1
 
 
+def rank() -> int:
+    """This process's rank in the distributed run: 0 outside one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
 @torch.no_grad()
 def sum_over_ranks(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Each of ``tensors`` summed over the ranks, in one all-reduce of them all (they share a

@@ -2,8 +2,9 @@
 
 A :class:`Sparsifier` owns the selected parameters and their masks, enters and leaves phases,
 runs an algorithm's mask updates, masks gradients and optimizer state for hard-mask phases, and
-saves/restores its state. :class:`~lightning_sparse.SparsityCallback` drives it from Lightning
-hooks; a plain PyTorch loop can drive it directly.
+saves/restores its state. :class:`~lightning_sparse.SparseTraining` drives it from a loop you
+write (Fabric or plain PyTorch), and :class:`~lightning_sparse.SparsityCallback` through that
+same object from Lightning hooks; the example below drives it directly.
 
 Example (plain PyTorch):
     >>> import torch

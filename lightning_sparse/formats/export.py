@@ -34,40 +34,13 @@ from torch.torch_version import TorchVersion
 from lightning_sparse.engine.resume import STATE_VERSION
 from lightning_sparse.engine.sharding import gather_full
 from lightning_sparse.engine.sparsifier import Sparsifier
+from lightning_sparse.formats.fold import fold_masks
 from lightning_sparse.masks.patterns import not_a_mask
 
 SAFE_LOAD_TORCH = (2, 10)
 """The first torch whose ``weights_only=True`` loader has no published way around it:
 CVE-2025-32434 (fixed in 2.6) and CVE-2026-24747 (fixed in 2.10) ran code from crafted files."""
 _STATE_KEY = "SparsityCallback"  # every SparsityCallback's state_key starts so
-
-
-def fold_masks(
-    state_dict: Mapping[str, Tensor], masks: Mapping[str, Tensor]
-) -> dict[str, Tensor]:
-    """Multiply each ``<param>`` by its ``<param>_mask``; a ``ValueError`` names a mask without a
-    weight or of another shape than its weight."""
-    result = dict(state_dict)
-    for key, mask in masks.items():
-        name = key.removesuffix("_mask") if isinstance(key, str) else key
-        weight = result.get(name)
-        if not isinstance(weight, Tensor):
-            raise ValueError(  # noqa: TRY004 (a missing weight, not a wrong argument type)
-                f"mask {key!r} has no weight {name!r} in the state dict (it has "
-                f"{sorted(map(str, result))[:5]}...): fold the masks of the model they were "
-                f"trained with"
-            )
-        if not isinstance(mask, Tensor):
-            raise ValueError(  # noqa: TRY004 (a file's content, not an argument's type)
-                f"mask {key!r} is a {type(mask).__name__}, not a tensor"
-            )
-        if mask.shape != weight.shape:
-            raise ValueError(
-                f"mask {key!r} has shape {tuple(mask.shape)}, but weight {name!r} has shape "
-                f"{tuple(weight.shape)}: a mask must match its weight exactly"
-            )
-        result[name] = weight * mask.to(device=weight.device, dtype=weight.dtype)
-    return result
 
 
 def _checkpoint_masks(checkpoint: Mapping[str, Any], where: str) -> dict[str, Tensor]:
