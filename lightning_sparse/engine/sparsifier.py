@@ -61,6 +61,7 @@ from lightning_sparse.engine.layer_threads import (
 )
 from lightning_sparse.engine.learning import (
     LearnedReports,
+    describe_projection,
     describe_start,
     layer_statistics,
     overall,
@@ -172,7 +173,9 @@ class Sparsifier:
         )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
-        self._mask_versions: dict[str, int] = {}  # each stored mask's, as last written here
+        self._mask_versions: dict[
+            str, int
+        ] = {}  # each stored mask's, as last written here
         self.last_update_step = -1
         self.history: list[
             tuple[int, int | None]
@@ -285,8 +288,12 @@ class Sparsifier:
         if new is None or new.index != index + 1 or new.index not in self.handed:
             self.log(line)
             return None
-        self.log(f"{line}; phase {new.index + 1} starts from these masks")
-        return {t.name: old.most_likely(t.name).clone() for t in self.targets}
+        masks = {t.name: old.handover(t.name).clone() for t in self.targets}
+        self.log(
+            f"{line}; phase {new.index + 1} starts from these masks"
+            f"{describe_projection(old)}"
+        )
+        return masks
 
     def _calibrate(self, algo: SparsityAlgorithm, step: int) -> dict[str, Tensor]:
         """The input norms of every target over the phase's calibration forwards (run with
@@ -427,7 +434,9 @@ class Sparsifier:
         algo, phase = self.algorithm, self.current
         where = f"[{self.name}] set_masks"
         if algo is None or phase is None:
-            raise ValueError(f"{where}: the current phase is dense, so it has no masks to set")
+            raise ValueError(
+                f"{where}: the current phase is dense, so it has no masks to set"
+            )
         if algo.projects or algo.learns:
             raise ValueError(
                 f"{where}: phase {phase.index + 1} ({phase.spec.describe()}) does not store "
@@ -740,7 +749,7 @@ class Sparsifier:
         algo = None if index is None or masks is None else self.algorithms.get(index)
         if not isinstance(algo, Learned):
             return None
-        shapes = {t.name: _rows_shape(t) for t in self.targets}
+        shapes = {t.name: t.rows_shape for t in self.targets}
         devices = {t.name: t.param.device for t in self.targets}
         try:
             return algo.check_state(state.get("learned"), shapes, devices)
@@ -756,11 +765,6 @@ def _rows(t: ParamTarget, tensor: Tensor) -> Tensor:
     """``tensor`` (laid out like ``t``'s parameter) as rows: ``t``'s weight as its layer
     computes with it, inputs last; the tensor itself for a Linear weight."""
     return t.layer.to_rows(tensor).contiguous()
-
-
-def _rows_shape(t: ParamTarget) -> torch.Size:
-    """The shape of ``t``'s weight as rows (whole, also for a sharded parameter)."""
-    return t.layer.to_rows(torch.empty(t.param.shape, device="meta")).shape
 
 
 def _stored(t: ParamTarget, rows: Tensor) -> Tensor:
