@@ -177,9 +177,13 @@ def test_targets_pass_fail_or_not_run_from_the_records(acceptance):
         "0.07 ms",
         "PASS",
     ]
-    triton = "mask + packing W and W.T, 11008x4096 (Triton kernels, one pass, CUDA graph)"
+    triton = (
+        "mask + packing W and W.T, 11008x4096 (Triton kernels, one pass, CUDA graph)"
+    )
     assert verdicts[triton] == ["0.09 ms", "PASS"]
-    bound = "the same, as a multiple of its memory-bound time (copy bandwidth, this run)"
+    bound = (
+        "the same, as a multiple of its memory-bound time (copy bandwidth, this run)"
+    )
     assert verdicts[bound] == ["2.6 x", "FAIL"]
     assert verdicts["runtime 2:4 linear fwd+bwd compiled, 16384x4096 -> 11008"] == [
         "1.1 x",

@@ -264,14 +264,18 @@ class Learned(SparsityAlgorithm):
         """Start learning at ``step`` from ``priors`` (bool N:M masks as rows, by parameter
         name, on their weights' devices): small random logits, seeded by the phase's seed and
         the parameter name, plus ``prior_strength * INIT_STD`` for every kept weight a
-        candidate shares with its group's prior."""
+        candidate shares with its group's (or, learning tiles, its tile's) prior. Learning
+        tiles, a prior that is not transposable becomes, per tile, the transposable tile that
+        keeps most of it."""
         self.step = step
         logits = {}
         for name, mask in priors.items():
             self.shapes[name] = mask.shape
             if self.learns_tiles(mask.shape):
                 self.tiled.add(name)
-                prior = tile_indices(mask)
+                # a prior handed over by a learned phase may be row-wise only: start from
+                # the transposable mask that keeps most of it (itself if transposable)
+                prior = tile_indices(best_tiles(mask.float()))
             else:
                 prior = pattern_indices(mask, self.target)
             table = self._table(name, torch.device("cpu")).float()  # (C, M) or (90, 16)
