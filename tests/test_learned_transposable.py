@@ -137,6 +137,15 @@ def test_the_mask_handed_over_is_2_4_along_rows_and_columns(model, form, lightni
     phases = [learned, {"sparsity": "2:4", "algorithm": "static"}]
     _, sparsity, _ = fit(model, phases, 6, after=(probe,))
     sp = sparsity.sparsifier
+    weights_count = sum(t.param.numel() for t in sp.targets)
+    if (
+        form == "tiles"
+    ):  # the start line: 90 fp32 logits per 16 weights, with 3 copies more
+        tiles = weights_count // 16
+        cost = f"{tiles} 4x4 tiles, 90 logits each ({16 * 90 * tiles / 2**20:.2f} MiB"
+    else:
+        cost = f"{weights_count // 4} groups of 4, 6 logits each ("
+    assert f"(weights training, transposable: {form}): {cost}" in lightning_log.text
     changed = groups = 0
     for t in sp.targets:
         handed = t.layer.to_rows(probe.next[t.name])
