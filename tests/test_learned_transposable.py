@@ -33,7 +33,7 @@ from lightning_sparse.masks.tile_candidates import (
     tile_indices,
     tiles_to_mask,
 )
-from lightning_sparse.masks.tiles import is_transposable_2to4
+from lightning_sparse.masks.tiles import is_transposable_2to4, tile_patterns
 
 
 def all_transposable_tiles() -> list[torch.Tensor]:
@@ -309,3 +309,33 @@ def test_a_row_wise_prior_starts_the_tile_form_from_the_tiles_keeping_most_of_it
         block = prior[4 * i : 4 * i + 4, 4 * j : 4 * j + 4]
         best = max(int((tile & block).sum()) for tile in all_transposable_tiles())
         assert int((start[4 * i : 4 * i + 4, 4 * j : 4 * j + 4] & block).sum()) == best
+
+
+def test_a_sure_tile_sample_is_the_most_likely_mask_in_its_layout():
+    """At a huge logit scale the hard sample is each tile's most likely pattern, laid out as
+    the most likely mask is (a tile transposed would be transposable too, and wrong)."""
+    phase = resolve_phases(
+        [
+            Phase(
+                sparsity="2:4",
+                algorithm="learned",
+                transposable="tiles",
+                hard=True,
+                logit_scale=1e4,
+                prior_strength=0,
+            )
+        ],
+        10,
+    )[0]
+    algo = build_algorithm(phase)
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    algo.begin(0, {"w": algo.initial_mask(w, NM(2, 4), MaskContext("w", 0, 0))})
+    best = algo.logits["w"].argmax(-1)  # without a prior: the noise decides
+    expected = torch.zeros(8, 16, dtype=torch.bool)
+    for k, index in enumerate(best.tolist()):
+        i, j = divmod(k, 4)  # tiles in row-major order: 2 rows of 4
+        expected[4 * i : 4 * i + 4, 4 * j : 4 * j + 4] = tile_patterns(True)[
+            index
+        ].view(4, 4)
+    assert torch.equal(algo.most_likely("w"), expected)
+    assert torch.equal(algo.sample("w", training=True).detach() > 0.5, expected)
