@@ -339,3 +339,27 @@ def test_a_sure_tile_sample_is_the_most_likely_mask_in_its_layout():
         ].view(4, 4)
     assert torch.equal(algo.most_likely("w"), expected)
     assert torch.equal(algo.sample("w", training=True).detach() > 0.5, expected)
+
+
+@pytest.mark.parametrize("form", ["project", False])
+def test_a_resume_after_transposable_masks_refuses_a_row_wise_mask(tmp_path, form):
+    """A checkpoint of the static phase holds its masks: after a transposable handover they
+    must be transposable; after plain learned masks, N:M groups are enough."""
+    phases = [
+        {**LEARN, "until": 2, "transposable": form},
+        {"sparsity": "2:4", "algorithm": "static"},
+    ]
+    fit("gpt", phases, 5, tmp_path=tmp_path, stop_at=3)
+    ckpt = torch.load(tmp_path / "step=3.ckpt", weights_only=True)
+    key = next(k for k in ckpt["callbacks"] if k.startswith("SparsityCallback"))
+    masks = ckpt["callbacks"][key]["masks"]
+    name = next(iter(masks))
+    gen = torch.Generator().manual_seed(0)
+    masks[name] = target_mask(torch.rand(masks[name].shape, generator=gen), NM(2, 4))
+    assert not is_transposable_2to4(masks[name])
+    torch.save(ckpt, tmp_path / "row_wise.ckpt")
+    if form:
+        with pytest.raises(ValueError, match=r"is not transposable 2:4 \(at most 2"):
+            fit("gpt", phases, 5, ckpt_path=tmp_path / "row_wise.ckpt")
+    else:
+        fit("gpt", phases, 5, ckpt_path=tmp_path / "row_wise.ckpt")

@@ -187,6 +187,13 @@ class Sparsifier:
             for before, p in zip(self.phases, self.phases[1:])
             if hands_over(before.spec, p.spec)
         }
+        #: those whose first masks are N:M groups only (learned without ``transposable``),
+        #: so their masks are checked as groups, not as transposable tiles
+        self.handed_groups = {
+            index
+            for index in self.handed
+            if not getattr(self.algorithms[index - 1], "transposable", False)
+        }
         #: per learned phase that ended (or was saved), each layer's statistics then
         self.learned_reports: LearnedReports = {}
         self._learned_step = -1  # the step whose forwards the logits last learned from
@@ -457,8 +464,8 @@ class Sparsifier:
                 problem = f"of shape {tuple(mask.shape)}, not {tuple(t.param.shape)}"
             if problem is None:
                 mask = mask.to(t.param.device)
-                handed = phase.index in self.handed
-                broken = broken_pattern(t, mask, phase, algo, handed)
+                groups_only = phase.index in self.handed_groups
+                broken = broken_pattern(t, mask, phase, algo, groups_only)
                 problem = None if broken is None else f"not {broken}"
             if problem is not None:
                 raise ValueError(
@@ -709,7 +716,7 @@ class Sparsifier:
             self.targets,
             step,
             on_schedule_change,
-            self.handed,
+            self.handed_groups,
         )
         learned = self._learned_state(restore.saved.phase, restore.masks, state)
         reports = (  # another schedule's phases have no report here
