@@ -6,6 +6,7 @@ runs the 2:4 kernel ops on a pretended GPU, and configuration mistakes are named
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import lightning as L
@@ -127,6 +128,11 @@ def test_the_tile_form_learns_per_tile_and_samples_transposable_masks():
         algo.most_likely("w"), prior
     )  # the noise is too small to move it
     assert algo.statistics("w")[:2] == (0, 32)  # counted in groups of 4
+    with torch.no_grad():
+        algo.logits[
+            "w"
+        ].zero_()  # uniform over the 90 tiles: ln 90 nats a tile, 4 groups
+    assert algo.statistics("w")[2] == pytest.approx(math.log(90) / 4)
 
 
 @pytest.mark.parametrize("model", ["gpt", "hf"])
