@@ -41,6 +41,7 @@ from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.sharding import gather_full, is_sharded
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import target_mask
+from lightning_sparse.masks.tiles import is_transposable_2to4
 
 STATE_KEY = "SparsityCallback{'name': 'sparsity'}"
 
@@ -109,6 +110,9 @@ class MaskHashes(L.Callback):
             "masks": {k: tensor_hash(m) for k, m in sorted(masks.items())},
             "logits": {k: tensor_hash(v) for k, v in sorted(logits.items())},
             "kept": {k: int(m.sum()) for k, m in sorted(masks.items())},
+            # every mask 2:4 along the rows and the columns of its 4x4 tiles
+            "transposable": bool(masks)
+            and all(is_transposable_2to4(m) for m in masks.values()),
             "sharded": any(is_sharded(t.param) for t in sp.targets),
             # what a user exporting now would get (gathered and folded on every rank)
             "export": {

@@ -78,6 +78,31 @@ ENTRIES: list[tuple[str, dict[str, Any], bool]] = [
         },
         True,
     ),
+    # the transposable forms: logits per 4x4 tile, and the 6-pattern form projected onto
+    # transposable tiles at the handover to the static phase after it
+    (
+        "learned 2:4 tiles",
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "prior_strength": 0,
+            "mask_lr": 0.05,
+            "transposable": "tiles",
+        },
+        True,
+    ),
+    (
+        "learned 2:4 project",
+        {
+            "sparsity": "2:4",
+            "algorithm": "learned",
+            "prior_strength": 0,
+            "mask_lr": 0.05,
+            "transposable": "project",
+        },
+        True,
+    ),
+    ("static after project", {"sparsity": "2:4", "algorithm": "static"}, False),
 ]
 
 
@@ -191,9 +216,17 @@ def check_job(reports: list[dict[str, Any]], config: dict[str, Any]) -> None:
         assert (max(changes) > 0) == dynamic, (label, changes)
         # the logits (equal on both ranks, as the whole record is) train at every step
         learned = [full[str(STEPS * i + j)]["logits"] for j in range(STEPS)]
-        assert all(learned) == (label == "learned 2:4"), label
+        assert all(learned) == label.startswith("learned 2:4"), label
         if all(learned):
             assert len({str(logits) for logits in learned}) == STEPS, label
+        # the transposable forms' masks (tiles: while learning; project: once handed over)
+        transposable = [full[str(STEPS * i + j)]["transposable"] for j in range(STEPS)]
+        if label in ("learned 2:4 tiles", "static after project"):
+            assert all(transposable), label
+        if label == "learned 2:4 project":
+            assert not any(transposable), (
+                label
+            )  # the most likely groups, not yet projected
     assert full[str(total - 1)]["masks"] == {}  # the last phase is dense
 
 

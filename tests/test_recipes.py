@@ -107,6 +107,27 @@ def test_gpt2_24_recipe_would_run_its_mlps_on_2to4_kernels_on_an_sm80_gpu(
     assert timed == []
 
 
+def test_gpt2_learn_masks_recipe_fine_tunes_on_2to4_kernels_on_an_h100(
+    tmp_path, capsys
+):
+    """Its learned masks are handed over transposable, so the fine-tuning phase is planned
+    on the 2:4 kernels (the learned phase samples on masked math)."""
+    plan(
+        RECIPES / "gpt" / "gpt2_learn_masks_24.yaml",
+        tmp_path,
+        "--gpu=h100",
+        "--plot=false",
+    )
+    out = capsys.readouterr().out
+    assert "learns 2:4 masks, transposable: project" in out
+    rows = [line for line in out.splitlines() if ".mlp.c_fc.weight " in line]
+    assert rows and all(
+        "masked/semi_structured" in row and "cuSPARSELt, sm90" in row
+        for row in rows[:12]
+    )
+    assert "which are not transposable" not in out
+
+
 def test_overlay_adds_the_callback_to_a_dense_base_recipe(tmp_path, capsys):
     config = yaml.safe_load((RECIPES / "vit" / "cpu_demo.yaml").read_text())
     del config["trainer"]["callbacks"]

@@ -358,8 +358,7 @@ class SparsityAlgorithm:
         targets and shapes: N of every M along the input dimension.
         """
         if isinstance(target, NM) and self.nm_layout(score, target) == "tiles":
-            # every candidate pattern keeps 8 of 16, so shifting the scores keeps the argmax
-            return optimal_transposable_2to4_mask(score - score.amin())
+            return best_tiles(score)
         return target_mask(score, target)
 
     def nm_layout(self, like: Tensor, target: NM) -> str | None:
@@ -532,3 +531,10 @@ def _accepted_elsewhere(option: str) -> str:
 def registered_algorithms() -> list[str]:
     """The names a phase's ``algorithm`` may take (built-in and registered), sorted."""
     return sorted(_REGISTRY)
+
+
+def best_tiles(score: Tensor) -> Tensor:
+    """The transposable 2:4 mask of the highest total ``score`` per 4x4 tile (exactly 2 per
+    row and per column), for scores of any sign."""
+    # every candidate pattern keeps 8 of 16, so shifting the scores keeps the argmax
+    return optimal_transposable_2to4_mask(score - score.amin())

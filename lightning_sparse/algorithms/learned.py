@@ -19,6 +19,18 @@ regulariser (``weight_reg``, decaying linearly to zero over the phase) adds the 
 noise of a layer is drawn from ``(seed, parameter name, step)``, identical on every rank, for
 every micro-batch of a step and after a resume.
 
+With ``transposable`` on (2:4 only), the mask the next phase starts from is transposable (2:4
+along the rows and the columns of every 4x4 tile), so a ``static`` phase after it can run on the
+2:4 kernels: ``tiles`` learns logits over the 90 transposable 4x4 tiles
+(:mod:`~lightning_sparse.masks.tile_candidates`: 90 logits per 16 weights instead of 6 per 4,
+3.75x the memory), so every mask it samples is transposable; ``project`` learns the 6-pattern
+form and, at the handover, takes per tile the transposable tile whose 4 rows' logits sum highest
+(exact over the 90), counting the groups that moved (:attr:`Learned.projected`). Both start from
+a transposable prior (the best transposable mask by the ``init`` score), so that the projection
+moves only the groups the learning moved off it. A weight
+without 4x4 tiles (a convolution, a dimension not a multiple of 4) learns and hands over N:M
+groups either way.
+
 The algorithm is a rule over rows (each weight as its layer computes, inputs last), like every
 algorithm: it never touches modules or optimizers of the model. The engine
 (:mod:`~lightning_sparse.engine.learning`) installs its forwards, averages its gradients over
@@ -56,10 +68,11 @@ from lightning_sparse.algorithms.base import (
     UNKNOWN_RUN,
     RunLength,
     SparsityAlgorithm,
+    best_tiles,
     register_algorithm,
 )
 from lightning_sparse.core.schedule import Phase, ResolvedPhase
-from lightning_sparse.masks import NM, name_seed
+from lightning_sparse.masks import NM, Sparsity, name_seed
 from lightning_sparse.masks.candidates import (
     candidate_count,
     candidate_patterns,
@@ -67,6 +80,16 @@ from lightning_sparse.masks.candidates import (
     pattern_indices,
     patterns_to_mask,
 )
+from lightning_sparse.masks.tile_candidates import (
+    TILE_CANDIDATES,
+    as_tiles,
+    from_tiles,
+    project_to_tiles,
+    tile_candidates,
+    tile_indices,
+    tiles_to_mask,
+)
+from lightning_sparse.masks.tiles import has_4x4_tiles
 
 INIT_STD = 0.01
 """Standard deviation of the random logits a phase starts from (before the logit scale), as
@@ -92,10 +115,18 @@ DEFAULTS: dict[str, Any] = {
     "weight_reg": 1e-5,
     "hard": False,
     "train_weights": True,
+    "transposable": False,
 }
 """The options' defaults: MaskLLM's for LLaMA-2 7B (temperature 4 to 0.05, logit scale 100 to
 500, prior strength 3, sparse-weight regulariser 1e-5; its learning rate 5e-5 with a 10x
-multiplier for the mask, read as 5e-4), except that the weights train (``train_weights``)."""
+multiplier for the mask, read as 5e-4), except that the weights train (``train_weights``);
+the masks handed over are not transposable unless ``transposable`` says how."""
+
+TRANSPOSABLE_FORMS = ("tiles", "project")
+"""The ways a learned phase hands over transposable 2:4 masks (option ``transposable``)."""
+
+RECOMMENDED_FORM = "project"
+"""What ``transposable: true`` means: the form measured best (docs/benchmarks.md)."""
 
 
 @register_algorithm("learned")
@@ -108,8 +139,10 @@ class Learned(SparsityAlgorithm):
     Adam learning rate), ``weight_reg`` (>= 0), ``hard`` (straight-through Gumbel samples
     instead of soft ones), ``train_weights`` (``true``: the selected weights train with the
     gradient of the masked product; ``"dense"``: with the dense gradient, straight-through;
-    ``false``: they stay as they are, MaskLLM's setting), ``init`` (the prior: ``topk``,
-    ``wanda``, ``random``, ``from_zeros``) and ``seed``.
+    ``false``: they stay as they are, MaskLLM's setting), ``transposable`` (2:4: ``tiles``,
+    ``project``, ``true`` for the recommended form, or ``false``: the mask handed over is
+    transposable 2:4, see the module docstring), ``init`` (the prior: ``topk``, ``wanda``,
+    ``random``, ``from_zeros``) and ``seed``.
 
     Example:
         >>> from lightning_sparse import SparsityCallback
@@ -162,12 +195,16 @@ class Learned(SparsityAlgorithm):
         self.weight_reg: float = options["weight_reg"]
         self.hard: bool = options["hard"]
         self.train_weights: bool | str = options["train_weights"]
+        self.transposable: str | bool = options["transposable"]
         assert isinstance(phase.target, NM)
         self.target: NM = phase.target
         self.step = phase.start  #: the optimizer step the forwards belong to
         self.logits: dict[str, Tensor] = {}  #: (groups, candidates) fp32 per parameter
         self.prior: dict[str, Tensor] = {}  #: the prior's pattern index per group
         self.shapes: dict[str, torch.Size] = {}  #: each weight as rows
+        self.tiled: set[str] = set()  #: the parameters whose logits are per 4x4 tile
+        #: per parameter handed over by ``project``: the groups the projection changed
+        self.projected: dict[str, int] = {}
         self.optimizer: torch.optim.Adam | None = None
         self._likely: dict[str, Tensor] = {}  # most likely masks, until the next step
 
@@ -192,29 +229,62 @@ class Learned(SparsityAlgorithm):
 
     # -- masks ----------------------------------------------------------------------------------
     def nm_layout(self, like: Tensor, target: NM) -> str | None:
-        # the learned patterns are N of every M along the inputs (no transposable tiles)
-        return "groups"
+        # the prior and the learned patterns: transposable tiles with ``tiles`` where they fit
+        return "tiles" if self.learns_tiles(like.shape) else "groups"
+
+    def select(self, score: Tensor, target: Sparsity) -> Tensor:
+        # the prior is transposable wherever the handover is (``project`` too), so that
+        # learning starts from the best transposable mask and the projection moves few groups
+        if isinstance(target, NM) and self.hands_over_tiles(score.shape):
+            return best_tiles(score)
+        return super().select(score, target)
+
+    def learns_tiles(self, shape: torch.Size) -> bool:
+        """Whether a weight whose rows have ``shape`` learns logits per 4x4 tile."""
+        return self.transposable == "tiles" and _has_tiles(shape)
+
+    def hands_over_tiles(self, shape: torch.Size) -> bool:
+        """Whether the mask handed to the next phase for rows of ``shape`` is transposable."""
+        return bool(self.transposable) and _has_tiles(shape)
+
+    def logit_count(self, shape: torch.Size) -> tuple[int, int]:
+        """``(units, candidates)`` of the logits of a weight whose rows have ``shape``: 4x4
+        tiles and 90 transposable tiles each, or N:M groups and ``C(M, N)`` patterns each."""
+        if self.learns_tiles(shape):
+            return math.prod(shape) // 16, TILE_CANDIDATES
+        return math.prod(shape) // self.target.m, candidate_count(self.target)
+
+    def _table(self, name: str, device: torch.device) -> Tensor:
+        """The bool candidate table of ``name``: ``(90, 16)`` tiles or ``(C, M)`` patterns."""
+        if name in self.tiled:
+            return tile_candidates(device)
+        return candidate_patterns(self.target, device)
 
     def begin(self, step: int, priors: Mapping[str, Tensor]) -> None:
         """Start learning at ``step`` from ``priors`` (bool N:M masks as rows, by parameter
         name, on their weights' devices): small random logits, seeded by the phase's seed and
         the parameter name, plus ``prior_strength * INIT_STD`` for every kept weight a
-        candidate shares with its group's prior."""
+        candidate shares with its group's (or, learning tiles, its tile's) prior. Learning
+        tiles, a prior that is not transposable becomes, per tile, the transposable tile that
+        keeps most of it."""
         self.step = step
-        table = candidate_patterns(self.target).float()  # (C, M)
-        count = candidate_count(self.target)
         logits = {}
         for name, mask in priors.items():
-            prior = pattern_indices(mask, self.target)
+            self.shapes[name] = mask.shape
+            if self.learns_tiles(mask.shape):
+                self.tiled.add(name)
+                # a prior handed over by a learned phase may be row-wise only: start from
+                # the transposable mask that keeps most of it (itself if transposable)
+                prior = tile_indices(best_tiles(mask.float()))
+            else:
+                prior = pattern_indices(mask, self.target)
+            table = self._table(name, torch.device("cpu")).float()  # (C, M) or (90, 16)
             gen = torch.Generator().manual_seed(name_seed(self.seed, f"{name}|logits"))
-            noise = torch.randn(prior.numel(), count, generator=gen) * INIT_STD
-            overlap = (
-                table[prior.cpu()] @ table.T
-            )  # (groups, C): kept weights in common
+            noise = torch.randn(prior.numel(), len(table), generator=gen) * INIT_STD
+            overlap = table[prior.cpu()] @ table.T  # (units, C): kept weights in common
             init = noise + self.prior_strength * INIT_STD * overlap
             logits[name] = init.to(mask.device)
             self.prior[name] = prior.to(torch.uint8)
-            self.shapes[name] = mask.shape
         self._start(logits)
 
     def _start(self, logits: Mapping[str, Tensor]) -> None:
@@ -247,8 +317,10 @@ class Learned(SparsityAlgorithm):
         if self.hard:
             one_hot = F.one_hot(weights.argmax(-1), weights.shape[-1]).to(weights.dtype)
             weights = one_hot - weights.detach() + weights
-        table = candidate_patterns(self.target, logits.device).to(weights.dtype)
-        return (weights @ table).reshape(self.shapes[name])
+        kept = weights @ self._table(name, logits.device).to(weights.dtype)
+        if name in self.tiled:
+            return from_tiles(kept, self.shapes[name])
+        return kept.reshape(self.shapes[name])
 
     def most_likely(self, name: str) -> Tensor:
         """Each group's most likely pattern (the largest logit) as a bool mask (rows); what
@@ -257,10 +329,29 @@ class Learned(SparsityAlgorithm):
         mask = self._likely.get(name)
         if mask is None:
             best = self.logits[name].detach().argmax(-1)
-            mask = self._likely[name] = patterns_to_mask(
-                best, self.target, self.shapes[name]
-            )
+            mask = self._likely[name] = self._to_mask(name, best)
         return mask
+
+    def _to_mask(self, name: str, indices: Tensor) -> Tensor:
+        """The bool mask (rows) of ``name`` whose tiles or groups keep candidates ``indices``."""
+        if name in self.tiled:
+            return tiles_to_mask(indices, self.shapes[name])
+        return patterns_to_mask(indices, self.target, self.shapes[name])
+
+    def handover(self, name: str) -> Tensor:
+        """The mask (rows) the next phase starts from: the most likely one, transposable
+        with ``tiles``; with ``project``, per 4x4 tile the transposable tile whose rows'
+        logits sum highest, the groups it changed counted in :attr:`projected`."""
+        mask = self.most_likely(name)
+        shape = self.shapes[name]
+        if self.transposable != "project" or not _has_tiles(shape):
+            return mask
+        projected = tiles_to_mask(
+            project_to_tiles(self.logits[name].detach(), shape), shape
+        )
+        moved = (projected != mask).reshape(-1, self.target.m).any(-1)
+        self.projected[name] = int(moved.sum())
+        return projected
 
     # -- learning -------------------------------------------------------------------------------
     def learn(self, step: int, weights: Mapping[str, Tensor] | None = None) -> None:
@@ -295,14 +386,21 @@ class Learned(SparsityAlgorithm):
         ``softmax(logit_scale * logits)`` at the current step, which hard Gumbel samples
         follow (the entropy of a uniform one is ``ln C(M, N)``: 1.79 for 2:4)."""
         logits = self.logits[name].detach()
-        changed = int((logits.argmax(-1) != self.prior[name].long()).sum())
         log_p = F.log_softmax(logits * self.logit_scale_at(self.step), dim=-1)
         entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
-        return changed, logits.shape[0], entropy
+        if name not in self.tiled:
+            changed = int((logits.argmax(-1) != self.prior[name].long()).sum())
+            return changed, logits.shape[0], entropy
+        # per tile: the groups (tile rows) whose pattern left the prior's; a tile's
+        # entropy spread over its 4 groups
+        prior = as_tiles(self._to_mask(name, self.prior[name].long()))
+        moved = (as_tiles(self.most_likely(name)) != prior).view(-1, 4, 4).any(-1)
+        return int(moved.sum()), moved.numel(), entropy / 4
 
     def release(self) -> None:
         """Free the logits and their optimizer (the phase is over)."""
         self.logits, self.prior, self._likely = {}, {}, {}
+        self.tiled = set()
         self.optimizer = None
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -345,29 +443,32 @@ class Learned(SparsityAlgorithm):
                 f"it has learned logits for {sorted(map(str, logits))[:5]}, and this phase "
                 f"learns masks for {sorted(shapes)[:5]}"
             )
-        count = candidate_count(self.target)
         for name, shape in shapes.items():
-            groups = math.prod(shape) // self.target.m
+            units, count = self.logit_count(shape)
+            what = (
+                f"{units} 4x4 tiles, {count} transposable tiles"
+                if self.learns_tiles(shape)
+                else f"{units} groups of {self.target.m}, {count} patterns"
+            )
             value, kept = logits[name], prior[name]
             if not (
                 isinstance(value, Tensor)
                 and value.dtype == torch.float32
-                and tuple(value.shape) == (groups, count)
+                and tuple(value.shape) == (units, count)
                 and bool(value.isfinite().all())
             ):
                 raise ValueError(
                     f"the learned logits of {name!r} are not a finite float32 tensor of "
-                    f"shape {(groups, count)} ({groups} groups of {self.target.m}, {count} "
-                    f"patterns)"
+                    f"shape {(units, count)} ({what})"
                 )
             if not (
                 isinstance(kept, Tensor)
                 and kept.dtype == torch.uint8
-                and tuple(kept.shape) == (groups,)
+                and tuple(kept.shape) == (units,)
                 and bool((kept < count).all())
             ):
                 raise ValueError(
-                    f"the learned prior of {name!r} is not {groups} pattern indices (uint8) "
+                    f"the learned prior of {name!r} is not {units} pattern indices (uint8) "
                     f"below {count}"
                 )
         values = {
@@ -393,6 +494,7 @@ class Learned(SparsityAlgorithm):
         assert self.phase.end is not None
         self.step = min(step, self.phase.end - 1)
         self.shapes = checked["shapes"]
+        self.tiled = {name for name, s in self.shapes.items() if self.learns_tiles(s)}
         self.prior = checked["prior"]
         self.logits = checked["logits"]
         self.optimizer = checked["optimizer"]
@@ -423,7 +525,35 @@ def _options(spec: Phase, where: str) -> dict[str, Any]:
             )
         if value is not None:
             options[key] = value
+    options["transposable"] = _transposable(spec, where)
     return options
+
+
+def _transposable(spec: Phase, where: str) -> str | bool:
+    """The phase's ``transposable`` option: ``'tiles'``, ``'project'`` or ``False``."""
+    value = spec.transposable
+    if value is None or value is False:
+        return False
+    form = RECOMMENDED_FORM if value is True else value
+    if form not in TRANSPOSABLE_FORMS:
+        raise ValueError(
+            f"{where}.transposable={value!r}: use 'tiles' (learn over the 90 transposable "
+            f"4x4 tiles), 'project' (learn N:M patterns, project them onto transposable "
+            f"tiles at the phase's end), true (the recommended form, "
+            f"{RECOMMENDED_FORM!r}) or false (masks handed over as learned)"
+        )
+    if spec.target != NM(2, 4):
+        raise ValueError(
+            f"{where}.transposable={value!r} makes the masks 2:4 along the rows and the "
+            f"columns of 4x4 tiles, which needs sparsity '2:4', not '{spec.target}': use "
+            f"sparsity '2:4' or remove transposable"
+        )
+    return form
+
+
+def _has_tiles(shape: torch.Size) -> bool:
+    """Whether rows of ``shape`` are 2-D with both dimensions multiples of 4."""
+    return has_4x4_tiles(torch.empty(shape, device="meta"))
 
 
 def _number(value: Any, where: str, minimum: float, positive: bool) -> float:

@@ -278,6 +278,11 @@ class Phase:
             (default: with the gradient of the masked weight), ``"dense"`` (with the dense
             gradient, straight-through, so weights the mask leaves out keep learning) or
             false (only the masks learn, as in MaskLLM).
+        transposable: whether a 2:4 ``learned`` phase hands the next phase a transposable
+            mask (2:4 along the rows and columns of every 4x4 tile, which the 2:4 kernels
+            run): ``"tiles"`` (learn over the 90 transposable tiles), ``"project"`` (learn
+            the 6-pattern form, project it onto transposable tiles at the phase's end),
+            true (the recommended form) or false (default: the learned patterns as they are).
         options: extra options for a custom algorithm.
 
     Example:
@@ -309,6 +314,7 @@ class Phase:
     weight_reg: float | None = None
     hard: bool | None = None
     train_weights: bool | str | None = None
+    transposable: bool | str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

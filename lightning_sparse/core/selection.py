@@ -35,6 +35,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from lightning_sparse.core.closest import closest
@@ -79,6 +80,11 @@ class ParamTarget:
             if found is not STORED:
                 return found
         return STORED
+
+    @property
+    def rows_shape(self) -> torch.Size:
+        """The shape of the weight as rows (whole, also for a sharded parameter)."""
+        return self.layer.to_rows(torch.empty(self.param.shape, device="meta")).shape
 
 
 @dataclass

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_sparse.algorithms import SparsityAlgorithm
+from lightning_sparse.algorithms import Learned, SparsityAlgorithm, hands_over
+from lightning_sparse.algorithms.learned import RECOMMENDED_FORM
 from lightning_sparse.backends import (
     BackendChoice,
     choose_backend,
@@ -175,6 +176,14 @@ class LayerForwards:
                 if choice.name == "semi_structured" and t.readers:
                     # a kernel forward would never run; the stored zeros are read
                     choice = BackendChoice("masked", str(read_elsewhere(t.readers)))
+                handed = handed_by(phases, algorithms, phase.index)
+                if (
+                    choice.name == "semi_structured"
+                    and handed is not None
+                    and not algo.projects
+                    and not handed.hands_over_tiles(t.rows_shape)
+                ):
+                    choice = BackendChoice("masked", untransposable_handover(handed))
                 self.choices[phase.index, t.name] = choice
 
     def installed(self) -> None:
@@ -335,6 +344,35 @@ class LearnedSample:
     @torch.compiler.disable
     def __call__(self, training: bool) -> Tensor:
         return self.layer.from_rows(self.algo.sample(self.name, training))  # type: ignore[attr-defined]
+
+
+def handed_by(
+    phases: Sequence[ResolvedPhase],
+    algorithms: Mapping[int, SparsityAlgorithm],
+    index: int,
+) -> Learned | None:
+    """The learned algorithm whose masks phase ``index`` starts from, or ``None``."""
+    before = algorithms.get(index - 1)
+    if not isinstance(before, Learned) or not hands_over(
+        phases[index - 1].spec, phases[index].spec
+    ):
+        return None
+    return before
+
+
+def untransposable_handover(learned: Learned) -> str:
+    """Why a phase that starts from ``learned``'s masks cannot run them on 2:4 kernels."""
+    number = learned.phase.index + 1
+    if learned.transposable:
+        return (
+            f"starts from the learned masks of phase {number}, which are N:M groups here "
+            f"(transposable tiles need a 2-D weight with both dimensions multiples of 4)"
+        )
+    return (
+        f"starts from the learned masks of phase {number}, which are not transposable "
+        f"2:4; give phase {number} transposable: {RECOMMENDED_FORM} (or tiles) to run "
+        f"this phase on the 2:4 kernels"
+    )
 
 
 LEARNED_ON_MASKED = (

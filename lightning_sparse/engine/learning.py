@@ -15,12 +15,15 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from lightning_sparse.algorithms import Learned
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.masks.candidates import candidate_count
+from lightning_sparse.masks.tile_candidates import TILE_CANDIDATES
 
 LearnedReports = dict[int, dict[str, tuple[int, int, float]]]
 """Per learned phase index, per parameter: ``(groups changed from the prior, groups, mean
@@ -47,25 +50,70 @@ def logit_bytes(groups: int, candidates: int) -> int:
     return 4 * 4 * groups * candidates
 
 
+def learned_units(
+    algo: Learned, shapes: Iterable[torch.Size]
+) -> tuple[dict[tuple[str, str, int], int], int]:
+    """What ``algo`` keeps logits for over weights whose rows have ``shapes``: per kind of
+    unit (``("group of 4", "groups of 4")`` or the same for ``"4x4 tile"``) and candidate
+    count, how many units; and the
+    bytes they hold with their gradient and Adam state."""
+    units: dict[tuple[str, str, int], int] = {}
+    for shape in shapes:
+        count, candidates = algo.logit_count(shape)
+        unit = (
+            ("4x4 tile", "4x4 tiles")
+            if algo.learns_tiles(shape)
+            else (f"group of {algo.target.m}", f"groups of {algo.target.m}")
+        )
+        key = (*unit, candidates)
+        units[key] = units.get(key, 0) + count
+    return units, sum(logit_bytes(count, c) for (*_, c), count in units.items())
+
+
+def handover_form(algo: Learned) -> str:
+    """How ``algo``'s masks are handed over: ``""`` as learned, else the transposable form."""
+    if not algo.transposable:
+        return ""
+    return f", transposable: {algo.transposable}"
+
+
 def describe_start(name: str, algo: Learned, step: int, resumed: bool = False) -> str:
     """The log lines of a learned phase that starts (or, ``resumed``, goes on) at ``step``:
     what it learns, what it costs, and where each layer's logits stand."""
-    groups = sum(math.prod(shape) for shape in algo.shapes.values()) // algo.target.m
     candidates = candidate_count(algo.target)
     report = layer_statistics(algo)
     frozen = {False: "frozen", True: "training", "dense": "training, dense gradient"}[
         algo.train_weights
     ]
     how = "goes on learning" if resumed else "learns"
+    units, held = learned_units(algo, algo.shapes.values())
+    parts = [f"{n} {many}, {c} logits each" for (_, many, c), n in units.items()]
+    uniform = f"{math.log(candidates):.2f} nats"
+    if algo.tiled:
+        uniform += f" ({math.log(TILE_CANDIDATES) / 4:.2f} per group of a tile)"
     head = (
         f"[{name}] step {step}: phase {algo.phase.index + 1} {how} {algo.target} masks of "
-        f"{len(algo.shapes)} parameters (weights {frozen}): {groups} groups of "
-        f"{algo.target.m}, {candidates} logits each "
-        f"({logit_bytes(groups, candidates) / 2**20:.2f} MiB with their gradient and Adam "
+        f"{len(algo.shapes)} parameters (weights {frozen}{handover_form(algo)}): "
+        f"{', '.join(parts)} ({held / 2**20:.2f} MiB with their gradient and Adam "
         f"state), prior init={algo.init!r} at strength {algo.prior_strength:g}; pattern "
-        f"entropy of a uniform distribution: {math.log(candidates):.2f} nats"
+        f"entropy of a uniform distribution: {uniform}"
     )
     return "\n".join([head] + [f"  {line}" for line in layer_lines(report)])
+
+
+def describe_projection(algo: Learned) -> str:
+    """How many groups the handover's projection onto transposable tiles changed (``""``
+    where nothing was projected), to end the handover's log line."""
+    if not algo.projected:
+        return ""
+    groups = sum(
+        math.prod(algo.shapes[name]) // algo.target.m for name in algo.projected
+    )
+    changed = sum(algo.projected.values())
+    return (
+        f", projected onto transposable 2:4 tiles: the projection changed {changed} of "
+        f"{groups} groups ({changed / max(groups, 1):.1%})"
+    )
 
 
 def summarize(

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 from lightning_sparse.algorithms import Learned
 from lightning_sparse.core.schedule import ResolvedPhase
 from lightning_sparse.core.selection import Selection
 from lightning_sparse.engine.flips import FlipRate
-from lightning_sparse.engine.learning import layer_lines, layer_statistics, logit_bytes
+from lightning_sparse.engine.learning import (
+    handover_form,
+    layer_lines,
+    layer_statistics,
+    learned_units,
+)
 from lightning_sparse.engine.sparsifier import Sparsifier
 from lightning_sparse.masks import describe
-from lightning_sparse.masks.candidates import candidate_count
 
 
 def text_table(rows: list[list[str]]) -> list[str]:
@@ -122,13 +124,16 @@ def summary(
 
 def _learned_cost(sp: Sparsifier, phase: ResolvedPhase) -> str:
     """What learned ``phase`` holds and runs, for the plan table."""
-    target = phase.target
-    candidates = candidate_count(target)  # type: ignore[arg-type]
-    weights = sum(math.prod(t.param.shape) for t in sp.targets)
-    groups = weights // target.m  # type: ignore[union-attr]
+    algo = sp.algorithms[phase.index]
+    assert isinstance(algo, Learned)
+    units, held = learned_units(algo, [t.rows_shape for t in sp.targets])
+    parts = [
+        f"{c} fp32 logits per {one} ({n} {many.split(' ')[0]}"
+        for (one, many, c), n in units.items()
+    ]
     return (
-        f"learns {target} masks: {candidates} fp32 logits per group of {target.m} "  # type: ignore[union-attr]
-        f"({groups} groups; {logit_bytes(groups, candidates) / 2**20:.2f} MiB with their "
-        f"gradient and Adam state); training forwards draw a Gumbel sample on masked math, "
-        f"evaluation forwards use the most likely pattern"
+        f"learns {phase.target} masks{handover_form(algo)}: {'), '.join(parts)}; "
+        f"{held / 2**20:.2f} MiB with their gradient and Adam state); training forwards "
+        f"draw a Gumbel sample on masked math, evaluation forwards use the most likely "
+        f"pattern"
     )

@@ -184,7 +184,7 @@ def plan_restore(
     sparse phases, its ``targets``) at optimizer ``step``, the resume step; everything checked
     first: a ``ValueError`` for a malformed state, and for a changed schedule unless
     ``on_schedule_change`` is ``"reselect"``. ``handed``: the phases that start from the
-    masks the phase before learned (N:M groups, checked as such)."""
+    N:M groups the phase before learned (not transposable, so checked as groups)."""
     if on_schedule_change not in ON_SCHEDULE_CHANGE:
         raise ValueError(
             f"on_schedule_change={on_schedule_change!r}: use one of {list(ON_SCHEDULE_CHANGE)}"
@@ -231,7 +231,7 @@ def restored_masks(
 ) -> dict[str, Tensor]:
     """The masks of ``saved`` by parameter name, on their parameters' devices, checked against
     group ``name`` (its ``phases``, the ``algorithms`` of its sparse phases and its
-    ``targets``; ``handed``: the phases that start from learned masks): empty when the saved
+    ``targets``; ``handed``: the phases that start from learned N:M groups): empty when the saved
     phase is dense. A ``ValueError`` names what does not fit."""
     index, saved_masks = saved.phase, saved.masks
     if index is not None and index >= len(phases):
@@ -298,7 +298,8 @@ def broken_pattern(
 ) -> str | None:
     """The pattern of ``phase`` that ``t``'s ``mask`` breaks, or ``None``: N:M groups along
     the layer's inputs, and transposable 4x4 tiles where the (built-in) algorithm lays 2:4 out
-    so, unless the phase started from learned masks (``handed``: groups only)."""
+    so, unless the phase started from learned masks that are not transposable (``handed``:
+    groups only)."""
     target = phase.target
     if not isinstance(target, NM):
         return None

@@ -62,6 +62,7 @@ from lightning_sparse.engine.layer_threads import (
 )
 from lightning_sparse.engine.learning import (
     LearnedReports,
+    describe_projection,
     describe_start,
     layer_statistics,
     overall,
@@ -187,6 +188,13 @@ class Sparsifier:
             for before, p in zip(self.phases, self.phases[1:])
             if hands_over(before.spec, p.spec)
         }
+        #: those whose first masks are N:M groups only (learned without ``transposable``),
+        #: so their masks are checked as groups, not as transposable tiles
+        self.handed_groups = {
+            index
+            for index in self.handed
+            if not getattr(self.algorithms[index - 1], "transposable", False)
+        }
         #: per learned phase that ended (or was saved), each layer's statistics then
         self.learned_reports: LearnedReports = {}
         self._learned_step = -1  # the step whose forwards the logits last learned from
@@ -301,8 +309,12 @@ class Sparsifier:
         if new is None or new.index != index + 1 or new.index not in self.handed:
             self.log(line)
             return None
-        self.log(f"{line}; phase {new.index + 1} starts from these masks")
-        return {t.name: old.most_likely(t.name).clone() for t in self.targets}
+        masks = {t.name: old.handover(t.name).clone() for t in self.targets}
+        self.log(
+            f"{line}; phase {new.index + 1} starts from these masks"
+            f"{describe_projection(old)}"
+        )
+        return masks
 
     def _calibrate(self, algo: SparsityAlgorithm, step: int) -> dict[str, Tensor]:
         """The input norms of every target over the phase's calibration forwards (run with
@@ -471,8 +483,8 @@ class Sparsifier:
                 problem = f"of shape {tuple(mask.shape)}, not {tuple(t.param.shape)}"
             if problem is None:
                 mask = mask.to(t.param.device)
-                handed = phase.index in self.handed
-                broken = broken_pattern(t, mask, phase, algo, handed)
+                groups_only = phase.index in self.handed_groups
+                broken = broken_pattern(t, mask, phase, algo, groups_only)
                 problem = None if broken is None else f"not {broken}"
             if problem is not None:
                 raise ValueError(
@@ -726,7 +738,7 @@ class Sparsifier:
             self.targets,
             step,
             on_schedule_change,
-            self.handed,
+            self.handed_groups,
         )
         learned = self._learned_state(restore.saved.phase, restore.masks, state)
         reports = (  # another schedule's phases have no report here
@@ -766,7 +778,7 @@ class Sparsifier:
         algo = None if index is None or masks is None else self.algorithms.get(index)
         if not isinstance(algo, Learned):
             return None
-        shapes = {t.name: _rows_shape(t) for t in self.targets}
+        shapes = {t.name: t.rows_shape for t in self.targets}
         devices = {t.name: t.param.device for t in self.targets}
         try:
             return algo.check_state(state.get("learned"), shapes, devices)
@@ -782,11 +794,6 @@ def _rows(t: ParamTarget, tensor: Tensor) -> Tensor:
     """``tensor`` (laid out like ``t``'s parameter) as rows: ``t``'s weight as its layer
     computes with it, inputs last; the tensor itself for a Linear weight."""
     return t.layer.to_rows(tensor).contiguous()
-
-
-def _rows_shape(t: ParamTarget) -> torch.Size:
-    """The shape of ``t``'s weight as rows (whole, also for a sharded parameter)."""
-    return t.layer.to_rows(torch.empty(t.param.shape, device="meta")).shape
 
 
 def _stored(t: ParamTarget, rows: Tensor) -> Tensor:
