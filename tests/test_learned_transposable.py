@@ -369,3 +369,23 @@ def test_a_resume_after_transposable_masks_refuses_a_row_wise_mask(tmp_path, for
             fit("gpt", phases, 5, ckpt_path=tmp_path / "row_wise.ckpt")
     else:
         fit("gpt", phases, 5, ckpt_path=tmp_path / "row_wise.ckpt")
+
+
+@pytest.mark.parametrize(
+    ("form", "bytes_per_weight"),
+    [("tiles", 90 * 4 * 4 / 16), ("project", 6 * 4 * 4 / 4), (False, 6 * 4 * 4 / 4)],
+)
+def test_plan_counts_the_logits_of_each_form(form, bytes_per_weight):
+    """The plan's logits line: float32 logits, their gradient and Adam's two moments, over each
+    4x4 tile's 90 transposable tiles (``tiles``) or each group's 6 patterns."""
+    from lightning_sparse.cli.memory import phase_memory
+    from lightning_sparse.core.selection import select_parameters
+    from lightning_sparse.engine.sparsifier import Sparsifier
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    phases = resolve_phases(
+        [Phase(sparsity="2:4", algorithm="learned", transposable=form, until=5)], 10
+    )
+    targets = select_parameters(net, params=["0.weight", "1.weight"]).targets
+    (memory,) = phase_memory(Sparsifier("g", targets, phases), shards=1)
+    assert memory.logits == (64 * 32 + 32 * 16) * bytes_per_weight

@@ -21,7 +21,8 @@ FSDP2 pads them):
   on every rank. A mask projected in the forward (``runtime``) keeps none.
 - **logits**: a learned phase's logits over each N:M group's patterns (float32), with their
   gradient and the two moments of their Adam: ``16 * C(M, N) / M`` bytes per weight (24 for
-  2:4), on every rank (not sharded).
+  2:4), or over each 4x4 tile's 90 transposable tiles (``transposable: tiles``: 90 bytes per
+  weight), on every rank (not sharded).
 - **until backward**: the share of the saved activations that the sparsity path adds: a
   straight-through forward on masked math multiplies a new tensor, the weight times its mask,
   which autograd keeps from the forward to the backward: the whole weight in the matmul dtype,
@@ -64,12 +65,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse.algorithms.learned import Learned
 from lightning_sparse.backends.cusparselt import packs_stored_masks
 from lightning_sparse.backends.gpus import GpuTarget
 from lightning_sparse.engine.report import text_table
 from lightning_sparse.engine.sparsifier import Sparsifier
-from lightning_sparse.masks import NM
-from lightning_sparse.masks.candidates import candidate_count
 
 PACKING_BYTES = 3.25
 """Bytes per weight of a stored mask's cuSPARSELt packing (see the module docstring)."""
@@ -169,10 +169,9 @@ def phase_memory(
             rows = tuple(t.layer.to_rows(t.param).shape)
             if kept and choice.kernel == "cusparselt" and packs_stored_masks(rows):
                 packing += round(numel * PACKING_BYTES)
-            target = getattr(algo, "target", None)
-            if algo.learns and isinstance(target, NM):
-                per_group = candidate_count(target) * 4 * LOGIT_TENSORS
-                logits += numel // target.m * per_group
+            if isinstance(algo, Learned):
+                units, candidates = algo.logit_count(torch.Size(rows))
+                logits += units * candidates * 4 * LOGIT_TENSORS
         found.append(
             PhaseMemory(
                 phase=phase.index,
