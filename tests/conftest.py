@@ -23,10 +23,12 @@ def fresh_kernel_checks():
 
 @contextmanager
 def torch_flags_restored() -> Iterator[None]:
-    """torch's process-wide flags as they were, whatever the block set (float32 matmul
-    precision covers TF32 matmuls: torch refuses its legacy flag beside it). ``Trainer(
-    deterministic=True)`` turns deterministic algorithms on (and with them NaN-filled
-    ``torch.empty``) and never off, so a later test would run with them."""
+    """torch's process-wide flags and the environment variables as they were, whatever the
+    block set (float32 matmul precision covers TF32 matmuls: torch refuses its legacy flag
+    beside it). ``Trainer(deterministic=True)`` turns deterministic algorithms on (and with
+    them NaN-filled ``torch.empty``) and never off, and a one-process Fabric or Trainer run
+    under DDP leaves ``WORLD_SIZE`` set, which sends a later script to a ``torchrun``
+    start."""
     cudnn = torch.backends.cudnn
     saved = (
         torch.are_deterministic_algorithms_enabled(),
@@ -34,22 +36,21 @@ def torch_flags_restored() -> Iterator[None]:
         torch.utils.deterministic.fill_uninitialized_memory,
         torch.get_float32_matmul_precision(),
         (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32),
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        dict(os.environ),
     )
     try:
         yield
     finally:
-        deterministic, warn_only, fill, precision, cudnn_flags, workspace = saved
+        deterministic, warn_only, fill, precision, cudnn_flags, environ = saved
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.utils.deterministic.fill_uninitialized_memory = fill
         torch.set_float32_matmul_precision(precision)
         cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = (
             cudnn_flags
         )
-        if workspace is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+        if dict(os.environ) != environ:
+            os.environ.clear()
+            os.environ.update(environ)
 
 
 @pytest.fixture(autouse=True)

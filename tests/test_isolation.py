@@ -1,6 +1,7 @@
-"""A test that sets torch's process-wide flags leaves none of them set for the next test
-(``tests/conftest.py``): Lightning's ``deterministic=True`` never turns them off itself, and
-with them on every ``torch.empty`` is NaN-filled. The two tests run in this order."""
+"""A test that sets torch's process-wide flags or an environment variable leaves none of them
+set for the next test (``tests/conftest.py``): Lightning's ``deterministic=True`` never turns
+them off itself, and with them on every ``torch.empty`` is NaN-filled. The two tests run in
+this order."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def test_a_test_sets_every_flag():
         True,
         False,
     )
+    os.environ["WORLD_SIZE"] = "2"  # as a one-process DDP run leaves it
     assert torch.are_deterministic_algorithms_enabled()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     changed = [old != new for old, new in zip(FLAGS_AT_IMPORT, flags())]
@@ -52,3 +54,4 @@ def test_the_next_test_finds_them_as_they_were():
     )
     assert flags() == FLAGS_AT_IMPORT
     assert not torch.are_deterministic_algorithms_enabled()
+    assert "WORLD_SIZE" not in os.environ

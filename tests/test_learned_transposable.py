@@ -19,7 +19,7 @@ from helpers import (
     fast_trainer,
     pretend_gpu,
 )
-from test_learned_masks import LEARN, MostLikelyAt, fit, weights
+from learned_fits import LEARN, MostLikelyAt, fit, weights
 from torch.utils.data import DataLoader
 
 from lightning_sparse import SparsityCallback
