@@ -1,12 +1,17 @@
 """The accounting of live tensor bytes that the memory tests and the benchmark measure with:
-counted by storage, against sizes computed by hand."""
+counted by storage, against sizes computed by hand; and a mask choice gathering each weight
+once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.memory_census import PeakBytes, storage_bytes
+from lightning_sparse.engine.sparsifier import Sparsifier
 
 
 def test_storage_bytes_counts_each_storage_once_and_a_freed_one_as_zero():
@@ -43,3 +48,30 @@ def test_peak_bytes_sees_a_backward():
     # gradient that seeds the backward (4 bytes each)
     assert peak.peak == (8 * 50 + 50 * 100) * 4 + 8
     assert peak.held == (8 * 50 + 50 * 100) * 4  # the output and the gradient stay
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "erk"])
+def test_each_weight_is_gathered_once_per_mask_choice(monkeypatch, distribution):
+    """A mask choice reads each layer's whole weight once: the layers' shapes, which the
+    distribution spreads the target over, come without gathering (under FSDP2 each gather
+    is a collective). Convolution weights count too: their shape as rows is 2-D."""
+    import lightning_sparse.engine.sparsifier as engine
+
+    gathered: list[tuple[int, ...]] = []
+
+    def counting_gather(tensor: torch.Tensor) -> torch.Tensor:
+        gathered.append(tuple(tensor.shape))
+        return tensor
+
+    monkeypatch.setattr(engine, "gather_full", counting_gather)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Flatten(), nn.Linear(8, 16))
+    phases = resolve_phases([Phase(sparsity=0.5, distribution=distribution)], 10)
+    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+    sp = Sparsifier("g", targets, phases)
+    sp.on_step_start(0, [torch.optim.SGD(net.parameters(), lr=0.1)])
+    assert sorted(gathered) == [(8, 4, 3, 3), (16, 8)]
+    assert {n: tuple(m.shape) for n, m in sp.masks.items()} == {
+        "0.weight": (8, 4, 3, 3),
+        "2.weight": (16, 8),
+    }

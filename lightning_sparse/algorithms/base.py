@@ -415,9 +415,12 @@ class SparsityAlgorithm:
                 MaskContext(name, step, self.seed, input_norm=norm),
             )
 
-        # by name, not items(): a loop variable would keep the last weight while the next is
-        # read, and the engine gathers each sharded one as it is read
-        shapes = {name: weights[name].shape for name in weights}
+        # the engine's weights know their shapes (OneAtATime.shapes) without gathering; others
+        # are read by name, not items(): a loop variable would keep the last weight while the
+        # next is read
+        shapes = getattr(weights, "shapes", None) or {
+            name: weights[name].shape for name in weights
+        }
         return spread(self.distribution, self.target_at(step), shapes, score)
 
     def initial_mask(

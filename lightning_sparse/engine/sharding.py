@@ -62,7 +62,8 @@ class OneAtATime(Mapping[str, Tensor]):
     """Tensors by name, each made by ``make(name)`` when read and not kept: a loop that reads
     one name at a time holds one at a time (a gathered layer is freed before the next is
     gathered). ``make`` may gather (a collective): every rank must read the same names in the
-    same order; read each name once where its value is changed in place.
+    same order; read each name once where its value is changed in place. ``shapes``, where
+    given, are the tensors' shapes, known without making them.
 
     Example:
         >>> made = []
@@ -71,9 +72,15 @@ class OneAtATime(Mapping[str, Tensor]):
         ([(2,), (2,)], ['a', 'b'])
     """
 
-    def __init__(self, names: Sequence[str], make: Callable[[str], Tensor]) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        make: Callable[[str], Tensor],
+        shapes: Mapping[str, torch.Size] | None = None,
+    ) -> None:
         self._names = list(names)
         self._make = make
+        self.shapes = None if shapes is None else dict(shapes)
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._names:

@@ -174,9 +174,8 @@ class Sparsifier:
         )
         self.current: ResolvedPhase | None = None  # the scheduled phase (may be dense)
         self.masks: dict[str, Tensor] = {}
-        self._mask_versions: dict[
-            str, int
-        ] = {}  # each stored mask's, as last written here
+        # each stored mask's version, as last written here
+        self._mask_versions: dict[str, int] = {}
         self.last_update_step = -1
         self.history: list[
             tuple[int, int | None]
@@ -293,7 +292,8 @@ class Sparsifier:
             tensor = self.masks[name] if masks else t.param.detach()
             return _rows(t, gather_full(tensor))
 
-        return OneAtATime(targets, whole)
+        shapes = {name: t.rows_shape for name, t in targets.items()}
+        return OneAtATime(targets, whole, shapes)
 
     def _hand_over(
         self, new: ResolvedPhase | None, step: int
