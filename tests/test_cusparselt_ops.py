@@ -338,3 +338,24 @@ def test_verify_speed_names_the_searched_algorithm(monkeypatch):
         "cuSPARSELt, sm90, bfloat16, 1.30x dense (alg 17, as CUDA graphs, 8192 tokens)",
         "cusparselt",
     )
+
+
+def test_a_second_order_gradient_through_the_stored_mask_op_with_a_frozen_weight(
+    dense_stand_in,
+):
+    """A gradient penalty through a frozen 2:4 weight (``create_graph``): the input gradient
+    is differentiated again through the upstream gradient, as dense math with the pruned
+    weight gives it."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 256, requires_grad=True)
+    weight = torch.randn(128, 256)  # frozen
+    mask = transposable_2to4_mask(weight)
+    out = cusparselt.linear_24(x, weight, None, mask)
+    (grad_x,) = torch.autograd.grad((out**2).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(grad_x.sum(), x)
+    x_ref = x.detach().requires_grad_()
+    out_ref = x_ref @ (weight * mask).T
+    (grad_ref,) = torch.autograd.grad((out_ref**2).sum(), x_ref, create_graph=True)
+    (second_ref,) = torch.autograd.grad(grad_ref.sum(), x_ref)
+    torch.testing.assert_close(grad_x, grad_ref)
+    torch.testing.assert_close(second, second_ref)

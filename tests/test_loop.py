@@ -333,3 +333,19 @@ def test_the_end_is_the_last_call() -> None:
         RuntimeError, match=r"SparseTraining\.step\(\) after SparseTraining\.end\(\)"
     ):
         sparsity.step()
+
+
+def test_a_group_not_yet_active_saves_the_checkpoint_state_it_waits_to_restore():
+    """Built for the callback, before fit start activates it: its checkpoint state is the
+    state it was given to restore (nothing is lost by a save in between), or empty."""
+    from lightning_sparse.loop import loop_run_length
+    from lightning_sparse.settings import GroupSettings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    settings = GroupSettings("SparsityCallback", sparsity=0.5, verbose=False)
+    run = loop_run_length(10)
+    waiting = {"masks": {"0.weight": torch.ones(16, 8, dtype=torch.bool)}, "step": 3}
+    built = SparseTraining.from_settings(settings, model, run, pending_state=waiting)
+    assert built.group_state() == waiting
+    assert SparseTraining.from_settings(settings, model, run).group_state() == {}
