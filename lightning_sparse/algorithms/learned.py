@@ -56,7 +56,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,35 @@ TRANSPOSABLE_FORMS = ("tiles", "project")
 
 RECOMMENDED_FORM = "project"
 """What ``transposable: true`` means: the form measured best (docs/benchmarks.md)."""
+
+
+class Unsplit:
+    """Which of a weight's units (N:M groups or 4x4 tiles, in row order) the logits here
+    learn, and how the learners' shares become whole: here every unit, with nothing to
+    gather. A distributed run splits them over its ranks
+    (:class:`~lightning_sparse.engine.logit_shards.RankShards`).
+
+    Example:
+        >>> Unsplit().owned(6), Unsplit().sum([2.0, 1.0])
+        (slice(0, 6, None), [2.0, 1.0])
+    """
+
+    splits = False  #: whether the units are split over more than one learner
+
+    def owned(self, units: int) -> slice:
+        """The units, of a weight's ``units``, that the logits here learn."""
+        return slice(0, units)
+
+    def gather(
+        self, local: Tensor, units: int, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """Every learner's ``local`` values (one row per owned unit) as the whole
+        ``(units, ...)``, in ``dtype`` (``None``: as they are), differentiable."""
+        return local if dtype is None else local.to(dtype)
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed over the learners."""
+        return list(values)
 
 
 @register_algorithm("learned")
@@ -206,6 +235,9 @@ class Learned(SparsityAlgorithm):
         #: per parameter handed over by ``project``: the groups the projection changed
         self.projected: dict[str, int] = {}
         self.optimizer: torch.optim.Adam | None = None
+        #: the units each weight's logits learn here; the engine splits them over the ranks
+        self.shards: Unsplit = Unsplit()
+        self.owned: dict[str, slice] = {}  #: per parameter, the units its logits hold
         self._likely: dict[str, Tensor] = {}  # most likely masks, until the next step
 
     # -- the schedule ---------------------------------------------------------------------------
@@ -264,13 +296,14 @@ class Learned(SparsityAlgorithm):
         """Start learning at ``step`` from ``priors`` (bool N:M masks as rows, by parameter
         name, on their weights' devices): small random logits, seeded by the phase's seed and
         the parameter name, plus ``prior_strength * INIT_STD`` for every kept weight a
-        candidate shares with its group's (or, learning tiles, its tile's) prior. Learning
-        tiles, a prior that is not transposable becomes, per tile, the transposable tile that
-        keeps most of it."""
+        candidate shares with its group's (or, learning tiles, its tile's) prior, kept for the
+        units :attr:`shards` gives here. Learning tiles, a prior that is not transposable
+        becomes, per tile, the transposable tile that keeps most of it."""
         self.step = step
         logits = {}
         for name, mask in priors.items():
             self.shapes[name] = mask.shape
+            owned = self.owned[name] = self.shards.owned(self._units(name))
             if self.learns_tiles(mask.shape):
                 self.tiled.add(name)
                 # a prior handed over by a learned phase may be row-wise only: start from
@@ -283,8 +316,8 @@ class Learned(SparsityAlgorithm):
             noise = torch.randn(prior.numel(), len(table), generator=gen) * INIT_STD
             overlap = table[prior.cpu()] @ table.T  # (units, C): kept weights in common
             init = noise + self.prior_strength * INIT_STD * overlap
-            logits[name] = init.to(mask.device)
-            self.prior[name] = prior.to(torch.uint8)
+            logits[name] = init[owned].to(mask.device)
+            self.prior[name] = prior[owned].to(torch.uint8)
         self._start(logits)
 
     def _start(self, logits: Mapping[str, Tensor]) -> None:
@@ -299,37 +332,70 @@ class Learned(SparsityAlgorithm):
         """The trainable logits, in parameter order."""
         return iter(self.logits.values())
 
-    def sample(self, name: str, training: bool) -> Tensor:
-        """The mask ``name``'s forward multiplies its weight (rows) by: in training, a Gumbel
-        sample at this step's temperature and logit scale, differentiable in the logits (soft,
-        or with ``hard`` the sampled pattern straight-through); otherwise the most likely
-        pattern (a float 0/1 mask)."""
-        if not training:
-            return self.most_likely(name).float()
+    def _units(self, name: str) -> int:
+        """How many units (groups or tiles) the whole weight ``name`` has."""
+        return self.logit_count(self.shapes[name])[0]
+
+    def as_units(self, name: str, rows: Tensor) -> Tensor:
+        """``rows`` (shaped like ``name``'s weight as rows) as one row per unit: ``(tiles,
+        16)`` for logits per 4x4 tile, else ``(groups, M)``, in the logits' order."""
+        if name in self.tiled:
+            return as_tiles(rows)
+        return rows.reshape(-1, self.target.m)
+
+    def _from_units(self, name: str, units: Tensor) -> Tensor:
+        """One row per unit back as ``name``'s weight as rows."""
+        if name in self.tiled:
+            return from_tiles(units, self.shapes[name])
+        return units.reshape(self.shapes[name])
+
+    def _kept(self, name: str) -> Tensor:
+        """The Gumbel sample of the units ``name``'s logits hold here: per unit, the kept
+        fraction of each of its weights, ``(owned units, M or 16)`` float32, differentiable in
+        the logits, computed in float32 under autocast too. The noise is drawn for the whole
+        weight, so that it does not depend on how the units are split."""
         logits = self.logits[name]
         gen = torch.Generator(device=logits.device).manual_seed(
             name_seed(self.seed, f"{name}|gumbel", self.step)
         )
-        exponential = torch.empty_like(logits).exponential_(generator=gen)
+        whole = (self._units(name), logits.shape[1])
+        exponential = torch.empty(
+            whole, dtype=logits.dtype, device=logits.device
+        ).exponential_(generator=gen)[self.owned[name]]
         gumbel = -exponential.clamp_min_(torch.finfo(logits.dtype).tiny).log()
-        scaled = logits * self.logit_scale_at(self.step) + gumbel
-        weights = F.softmax(scaled / self.temperature_at(self.step), dim=-1)  # (G, C)
-        if self.hard:
-            one_hot = F.one_hot(weights.argmax(-1), weights.shape[-1]).to(weights.dtype)
-            weights = one_hot - weights.detach() + weights
-        kept = weights @ self._table(name, logits.device).to(weights.dtype)
-        if name in self.tiled:
-            return from_tiles(kept, self.shapes[name])
-        return kept.reshape(self.shapes[name])
+        with torch.autocast(logits.device.type, enabled=False):
+            scaled = logits * self.logit_scale_at(self.step) + gumbel
+            weights = F.softmax(
+                scaled / self.temperature_at(self.step), dim=-1
+            )  # (G, C)
+            if self.hard:
+                one_hot = F.one_hot(weights.argmax(-1), weights.shape[-1])
+                weights = one_hot.to(weights.dtype) - weights.detach() + weights
+            return weights @ self._table(name, logits.device).to(weights.dtype)
+
+    def sample(
+        self, name: str, training: bool, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """The mask ``name``'s forward multiplies its weight (rows) by, in ``dtype`` (``None``:
+        float32): in training, a Gumbel sample at this step's temperature and logit scale,
+        differentiable in the logits (soft, or with ``hard`` the sampled pattern
+        straight-through), gathered whole from the learners' units (:attr:`shards`);
+        otherwise the most likely pattern (a 0/1 mask)."""
+        if not training:
+            return self.most_likely(name).to(dtype or torch.float32)
+        kept = self.shards.gather(self._kept(name), self._units(name), dtype)
+        return self._from_units(name, kept)
 
     def most_likely(self, name: str) -> Tensor:
-        """Each group's most likely pattern (the largest logit) as a bool mask (rows); what
-        evaluation forwards use, what checkpoints and exports hold, and what the next phase
-        starts from. Ties go to the first pattern."""
+        """Each group's most likely pattern (the largest logit) as a bool mask (rows), whole
+        (gathered from the learners' units); what evaluation forwards use, what checkpoints
+        and exports hold, and what the next phase starts from. Ties go to the first
+        pattern."""
         mask = self._likely.get(name)
         if mask is None:
-            best = self.logits[name].detach().argmax(-1)
-            mask = self._likely[name] = self._to_mask(name, best)
+            best = self.logits[name].detach().argmax(-1).to(torch.uint8)
+            whole = self.shards.gather(best, self._units(name)).long()
+            mask = self._likely[name] = self._to_mask(name, whole)
         return mask
 
     def _to_mask(self, name: str, indices: Tensor) -> Tensor:
@@ -341,14 +407,14 @@ class Learned(SparsityAlgorithm):
     def handover(self, name: str) -> Tensor:
         """The mask (rows) the next phase starts from: the most likely one, transposable
         with ``tiles``; with ``project``, per 4x4 tile the transposable tile whose rows'
-        logits sum highest, the groups it changed counted in :attr:`projected`."""
+        logits sum highest (over the whole logits, gathered), the groups it changed counted
+        in :attr:`projected`."""
         mask = self.most_likely(name)
         shape = self.shapes[name]
         if self.transposable != "project" or not _has_tiles(shape):
             return mask
-        projected = tiles_to_mask(
-            project_to_tiles(self.logits[name].detach(), shape), shape
-        )
+        logits = self.shards.gather(self.logits[name].detach(), self._units(name))
+        projected = tiles_to_mask(project_to_tiles(logits, shape), shape)
         moved = (projected != mask).reshape(-1, self.target.m).any(-1)
         self.projected[name] = int(moved.sum())
         return projected
@@ -357,20 +423,17 @@ class Learned(SparsityAlgorithm):
     def learn(self, step: int, weights: Mapping[str, Tensor] | None = None) -> None:
         """One optimizer step of the logits with their accumulated (and, in a distributed
         run, averaged) gradients: first the sparse-weight regulariser's gradient for
-        ``weights`` (rows, as the forwards of ``step`` saw them; needed when ``weight_reg``
-        is set), then Adam, then the gradients are cleared."""
+        ``weights`` (whole rows, as the forwards of ``step`` saw them, each read once; needed
+        when ``weight_reg`` is set), then Adam, then the gradients are cleared."""
         assert self.optimizer is not None
         factor = self.weight_reg_at(step)
         if factor > 0 and weights is not None:
             with torch.enable_grad():
-                kept = sum(
-                    (
-                        weights[name].detach().float().square()
-                        * self.sample(name, True)
-                    ).sum()
-                    for name in self.logits
-                )
-                (-factor * kept).backward()
+                for name in self.logits:
+                    rows = weights[name].detach().float()
+                    mine = self.as_units(name, rows)[self.owned[name]]
+                    kept = (mine.square() * self._kept(name)).sum()
+                    (-factor * kept).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._likely.clear()
@@ -382,38 +445,57 @@ class Learned(SparsityAlgorithm):
 
     def statistics(self, name: str) -> tuple[int, int, float]:
         """``(groups whose most likely pattern differs from the prior's, groups, mean pattern
-        entropy in nats)`` of parameter ``name``; the patterns' distribution is
-        ``softmax(logit_scale * logits)`` at the current step, which hard Gumbel samples
-        follow (the entropy of a uniform one is ``ln C(M, N)``: 1.79 for 2:4)."""
+        entropy in nats)`` of parameter ``name``, over the whole weight (summed over the
+        learners); the patterns' distribution is ``softmax(logit_scale * logits)`` at the
+        current step, which hard Gumbel samples follow (the entropy of a uniform one is
+        ``ln C(M, N)``: 1.79 for 2:4)."""
         logits = self.logits[name].detach()
         log_p = F.log_softmax(logits * self.logit_scale_at(self.step), dim=-1)
-        entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
+        entropy = float(-(log_p.exp() * log_p).sum(-1).double().sum())
+        best, prior = logits.argmax(-1), self.prior[name].long()
         if name not in self.tiled:
-            changed = int((logits.argmax(-1) != self.prior[name].long()).sum())
-            return changed, logits.shape[0], entropy
-        # per tile: the groups (tile rows) whose pattern left the prior's; a tile's
-        # entropy spread over its 4 groups
-        prior = as_tiles(self._to_mask(name, self.prior[name].long()))
-        moved = (as_tiles(self.most_likely(name)) != prior).view(-1, 4, 4).any(-1)
-        return int(moved.sum()), moved.numel(), entropy / 4
+            moved = best != prior
+        else:  # per tile: the groups (tile rows) whose pattern left the prior's
+            table = self._table(name, logits.device)
+            moved = (table[best] != table[prior]).view(-1, 4, 4).any(-1)
+        changed, groups, entropy = self.shards.sum(
+            [float(moved.sum()), float(moved.numel()), entropy]
+        )
+        units = groups if name not in self.tiled else groups / 4
+        # a tile's entropy spread over its 4 groups
+        per_group = entropy / max(units, 1) / (4 if name in self.tiled else 1)
+        return int(changed), int(groups), per_group
 
     def release(self) -> None:
         """Free the logits and their optimizer (the phase is over)."""
-        self.logits, self.prior, self._likely = {}, {}, {}
+        self.logits, self.prior, self._likely, self.owned = {}, {}, {}, {}
         self.tiled = set()
         self.optimizer = None
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The logits, the prior's patterns and the Adam state, on the CPU (plain tensors
-        and values, readable with ``torch.load(weights_only=True)``)."""
+        """The logits, the prior's patterns and the Adam state, whole (gathered from the
+        learners' units, one parameter at a time: a collective where :attr:`shards` splits
+        them), on the CPU (plain tensors and values, readable with
+        ``torch.load(weights_only=True)``), so that a state resumes on any number of ranks."""
         assert self.optimizer is not None
+        names = list(self.logits)
+
+        def whole(name: str, value: Tensor) -> Tensor:
+            return self.shards.gather(value.detach(), self._units(name)).to("cpu")
+
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {
+            index: {
+                key: whole(names[index], value) if _per_unit(value) else value
+                for key, value in state.items()
+            }
+            for index, state in optimizer["state"].items()
+        }
         return {
-            "logits": {
-                n: v.detach().to("cpu", copy=True) for n, v in self.logits.items()
-            },
-            "prior": {n: v.to("cpu", copy=True) for n, v in self.prior.items()},
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "logits": {n: whole(n, v).clone() for n, v in self.logits.items()},
+            "prior": {n: whole(n, v).clone() for n, v in self.prior.items()},
+            "optimizer": _to_cpu(optimizer),
         }
 
     def check_state(
@@ -423,8 +505,9 @@ class Learned(SparsityAlgorithm):
         devices: Mapping[str, torch.device],
     ) -> dict[str, Any]:
         """:meth:`state_dict`'s output read back for weights of ``shapes`` (rows, by name) on
-        ``devices``, checked, without changing this algorithm: what :meth:`restore` takes. A
-        ``ValueError`` says what does not fit."""
+        ``devices``, checked, without changing this algorithm: what :meth:`restore` takes
+        (the units :attr:`shards` gives here, of the whole state). A ``ValueError`` says what
+        does not fit."""
         if not isinstance(state, Mapping) or not {
             "logits",
             "prior",
@@ -471,21 +554,26 @@ class Learned(SparsityAlgorithm):
                     f"the learned prior of {name!r} is not {units} pattern indices (uint8) "
                     f"below {count}"
                 )
+        owned = {name: self.shards.owned(len(logits[name])) for name in shapes}
         values = {
-            name: logits[name].to(devices[name]).requires_grad_(True) for name in shapes
+            name: logits[name][owned[name]].to(devices[name]).requires_grad_(True)
+            for name in shapes
         }
         optimizer = torch.optim.Adam(list(values.values()), lr=self.mask_lr)
         try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, ValueError, TypeError, IndexError) as err:
+            optimizer.load_state_dict(_owned_state(state["optimizer"], logits, owned))
+        except (KeyError, ValueError, TypeError, IndexError, AttributeError) as err:
             raise ValueError(
                 f"its learned logits' optimizer state does not fit: {err}"
             ) from None
         return {
             "logits": values,
-            "prior": {name: prior[name].to(devices[name]) for name in shapes},
+            "prior": {
+                name: prior[name][owned[name]].to(devices[name]) for name in shapes
+            },
             "optimizer": optimizer,
             "shapes": dict(shapes),
+            "owned": owned,
         }
 
     def restore(self, checked: Mapping[str, Any], step: int) -> None:
@@ -497,8 +585,36 @@ class Learned(SparsityAlgorithm):
         self.tiled = {name for name, s in self.shapes.items() if self.learns_tiles(s)}
         self.prior = checked["prior"]
         self.logits = checked["logits"]
+        self.owned = checked["owned"]
         self.optimizer = checked["optimizer"]
         self._likely.clear()
+
+
+def _per_unit(value: Any) -> bool:
+    """Whether an optimizer state entry has one row per unit (Adam's moments), not a count."""
+    return isinstance(value, Tensor) and value.dim() > 0
+
+
+def _owned_state(
+    optimizer: Any, logits: Mapping[str, Tensor], owned: Mapping[str, slice]
+) -> Any:
+    """A saved (whole) optimizer state of the logits ``logits`` (in order), cut to the units
+    ``owned`` here; an entry with one row per unit must have the logits' shape."""
+    names = list(logits)
+    state = {}
+    for index, entries in optimizer["state"].items():
+        name = names[index]
+        state[index] = {}
+        for key, value in entries.items():
+            if _per_unit(value):
+                if value.shape != logits[name].shape:
+                    raise ValueError(
+                        f"its {key!r} of {name!r} has shape {tuple(value.shape)}, not "
+                        f"the logits' {tuple(logits[name].shape)}"
+                    )
+                value = value[owned[name]]
+            state[index][key] = value
+    return {**optimizer, "state": state}
 
 
 def _options(spec: Phase, where: str) -> dict[str, Any]:

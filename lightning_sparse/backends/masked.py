@@ -64,7 +64,7 @@ class SparseForwardMixin:
 
     _ls_mask: Tensor | None
     _ls_project: Callable[[Tensor], Tensor] | None
-    _ls_sample: Callable[[bool], Tensor] | None
+    _ls_sample: Callable[[bool, torch.dtype], Tensor] | None
     _ls_original_class: type[nn.Module]
     _ls_layer: ClassVar[LayerType]
 
@@ -72,7 +72,7 @@ class SparseForwardMixin:
         """The weight times its mask, for a matmul in ``dtype``."""
         weight = self.weight  # type: ignore[attr-defined]
         if self._ls_sample is not None:
-            return sampled_mask(weight, self._ls_sample, self.training)  # type: ignore[attr-defined]
+            return sampled_mask(weight, self._ls_sample, self.training, dtype)  # type: ignore[attr-defined]
         mask = (
             project_mask(self._ls_project, weight, dtype)
             if self._ls_project is not None
@@ -82,16 +82,21 @@ class SparseForwardMixin:
 
 
 def sampled_mask(
-    weight: Tensor, sample: Callable[[bool], Tensor], training: bool
+    weight: Tensor,
+    sample: Callable[[bool, torch.dtype], Tensor],
+    training: bool,
+    dtype: torch.dtype,
 ) -> Tensor:
-    """``weight * sample(training)``: its gradient reaches the sampled mask, hence the
-    parameters it was drawn from, and the weight, times the mask (the product's own
-    gradient) or, where ``sample`` has a true ``dense_gradient`` attribute, unmasked
-    (straight-through, as :func:`straight_through_mask`)."""
-    mask = sample(training).to(weight.dtype)
+    """``weight * sample(training, dtype)`` for a matmul in ``dtype``, multiplied in that
+    dtype (so that a float32 weight under autocast and the 16-bit weight FSDP2 gathers give
+    the same product): its gradient reaches the sampled mask, hence the parameters it was
+    drawn from, and the weight, times the mask (the product's own gradient) or, where
+    ``sample`` has a true ``dense_gradient`` attribute, unmasked (straight-through, as
+    :func:`straight_through_mask`)."""
+    mask = sample(training, dtype)
     if getattr(sample, "dense_gradient", False):
-        return straight_through_mask(weight, mask)
-    return weight * mask
+        return straight_through_mask(weight.to(dtype), mask)
+    return weight.to(dtype) * mask
 
 
 def matmul_dtype(input: Tensor, weight: Tensor) -> torch.dtype:
@@ -232,7 +237,7 @@ def install_masked_forward(
     module: nn.Module,
     mask: Tensor | None = None,
     project: Callable[[Tensor], Tensor] | None = None,
-    sample: Callable[[bool], Tensor] | None = None,
+    sample: Callable[[bool, torch.dtype], Tensor] | None = None,
 ) -> None:
     """Make ``module`` compute with ``weight * mask`` (or ``weight * project(weight)``, both
     straight-through, or ``weight * sample(module.training)``, see :func:`sampled_mask`)."""
@@ -244,7 +249,7 @@ def swap_forward(
     classes: SparseClasses,
     mask: Tensor | None = None,
     project: Callable[[Tensor], Tensor] | None = None,
-    sample: Callable[[bool], Tensor] | None = None,
+    sample: Callable[[bool, torch.dtype], Tensor] | None = None,
 ) -> None:
     """Give ``module`` the sparse forward that ``classes`` maps its base class to.
 
@@ -281,7 +286,7 @@ def install_sparse_attribute(
     attr: str,
     mask: Tensor | None = None,
     project: Callable[[Tensor], Tensor] | None = None,
-    sample: Callable[[bool], Tensor] | None = None,
+    sample: Callable[[bool, torch.dtype], Tensor] | None = None,
 ) -> None:
     """Make every read of ``module.<attr>`` return ``weight * mask`` (or ``weight *
     project(weight)``), straight-through, or ``weight * sample(module.training)``
@@ -312,7 +317,8 @@ def _sparse_read(module: nn.Module) -> Tensor:
     weight = module._parameters[module._ls_attr]
     module._ls_ran = True  # the engine's check that the sparse weight is read
     if module._ls_sample is not None:
-        return sampled_mask(weight, module._ls_sample, module.training)
+        dtype = matmul_dtype(weight, weight)
+        return sampled_mask(weight, module._ls_sample, module.training, dtype)
     mask = (
         project_mask(module._ls_project, weight, matmul_dtype(weight, weight))
         if module._ls_project is not None

@@ -22,7 +22,9 @@ FSDP2 pads them):
 - **logits**: a learned phase's logits over each N:M group's patterns (float32), with their
   gradient and the two moments of their Adam: ``16 * C(M, N) / M`` bytes per weight (24 for
   2:4), or over each 4x4 tile's 90 transposable tiles (``transposable: tiles``: 90 bytes per
-  weight), on every rank (not sharded).
+  weight), split over the run's ranks (``ceil(units / ranks)`` groups or tiles each, under
+  DDP as under FSDP2: :mod:`~lightning_sparse.engine.logit_shards`), whole on every rank
+  with ``allow_skipped_layers``.
 - **until backward**: the share of the saved activations that the sparsity path adds: a
   straight-through forward on masked math multiplies a new tensor, the weight times its mask,
   which autograd keeps from the forward to the backward: the whole weight in the matmul dtype,
@@ -136,11 +138,14 @@ def phase_memory(
     shards: int = 1,
     compute_dtype: torch.dtype | None = None,
     parameters: Iterable[Tensor] | None = None,
+    ranks: int | None = None,
 ) -> list[PhaseMemory]:
     """Each phase's :class:`PhaseMemory` (a dense one keeps no masks), sharded over ``shards`` ranks by FSDP2
     (``1``: not sharded), with matmuls in ``compute_dtype`` (autocast's; ``None``: the weights'
-    own), for the model's ``parameters`` (``None``: the selected weights only)."""
+    own), for the model's ``parameters`` (``None``: the selected weights only), in a run of
+    ``ranks`` processes (``None``: ``shards``), over which learned-mask logits are split."""
     sp = sparsifier
+    learners = 1 if sp.allow_skipped_layers else (ranks or shards)
     params = list(parameters) if parameters is not None else []
     params = params or [t.param for t in sp.targets]
     trainable = [p for p in params if p.requires_grad]
@@ -171,6 +176,7 @@ def phase_memory(
                 packing += round(numel * PACKING_BYTES)
             if isinstance(algo, Learned):
                 units, candidates = algo.logit_count(torch.Size(rows))
+                units = math.ceil(units / learners)  # this rank's share
                 logits += units * candidates * 4 * LOGIT_TENSORS
         found.append(
             PhaseMemory(
@@ -196,6 +202,7 @@ def memory_table(
     compute_dtype: torch.dtype | None = None,
     parameters: Iterable[Tensor] | None = None,
     gpu: GpuTarget | None = None,
+    ranks: int | None = None,
 ) -> list[str]:
     """:func:`phase_memory` as table lines, in MiB (none for a group without a sparse phase);
     dense phases too, since the question whether a run fits is asked of every phase;
@@ -215,7 +222,7 @@ def memory_table(
     ]
     fits = gpu is not None and gpu.memory_gib is not None
     rows = [header + ([f"fits {gpu.name} ({gpu.memory_gib:g} GiB)"] if fits else [])]  # type: ignore[union-attr]
-    found = phase_memory(sparsifier, shards, compute_dtype, parameters)
+    found = phase_memory(sparsifier, shards, compute_dtype, parameters, ranks)
     if not sparsifier.algorithms:
         found = []
     for m in found:

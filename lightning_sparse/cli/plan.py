@@ -436,7 +436,9 @@ def _memory_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
     shards = plan.world_size if plan.sharded else 1
     parameters = None if plan.model is None else plan.model.parameters()
     dtype = autocast_dtype(plan.precision)
-    table = memory_table(group.sparsifier, shards, dtype, parameters, plan.gpu)
+    table = memory_table(
+        group.sparsifier, shards, dtype, parameters, plan.gpu, plan.world_size
+    )
     if not table:
         return []
     if plan.sharded:

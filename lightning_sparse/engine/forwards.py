@@ -315,9 +315,9 @@ class Projection:
 class LearnedSample:
     """The mask a learned algorithm draws for parameter ``name`` at a forward
     (:meth:`~lightning_sparse.algorithms.Learned.sample`: a Gumbel sample in training, the
-    most likely pattern otherwise), in ``layer``'s stored layout. It runs outside any
-    ``torch.compile`` graph (it seeds a generator of its own); the masked product that
-    follows compiles as usual.
+    most likely pattern otherwise), in ``layer``'s stored layout and the matmul's dtype. It
+    runs outside any ``torch.compile`` graph (it seeds a generator of its own); the masked
+    product that follows compiles as usual.
 
     Example:
         >>> from lightning_sparse.algorithms import MaskContext, build_algorithm
@@ -342,8 +342,9 @@ class LearnedSample:
         return self.algo.train_weights == "dense"  # type: ignore[attr-defined]
 
     @torch.compiler.disable
-    def __call__(self, training: bool) -> Tensor:
-        return self.layer.from_rows(self.algo.sample(self.name, training))  # type: ignore[attr-defined]
+    def __call__(self, training: bool, dtype: torch.dtype | None = None) -> Tensor:
+        mask = self.algo.sample(self.name, training, dtype)  # type: ignore[attr-defined]
+        return self.layer.from_rows(mask)
 
 
 def handed_by(

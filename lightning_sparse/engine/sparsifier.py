@@ -69,6 +69,7 @@ from lightning_sparse.engine.learning import (
     read_reports,
     summarize,
 )
+from lightning_sparse.engine.logit_shards import RankShards
 from lightning_sparse.engine.optim_state import state_tensors, zero_optimizer_state
 from lightning_sparse.engine.resume import (
     broken_pattern,
@@ -159,6 +160,9 @@ class Sparsifier:
         self.algorithms: dict[int, SparsityAlgorithm] = {
             p.index: build_algorithm(p, run) for p in self.phases if not p.spec.is_dense
         }
+        for algo in self.algorithms.values():
+            if isinstance(algo, Learned):  # a rank that skips a layer skips its gather
+                algo.shards = RankShards(split=not allow_skipped_layers)
         self.forwards = LayerForwards(
             name,
             self.targets,
@@ -609,7 +613,8 @@ class Sparsifier:
             return
         self._learned_step = algo.step
         params = list(algo.parameters())
-        average_over_ranks(params)
+        if not algo.shards.splits:  # split logits: averaged in the forwards' backward
+            average_over_ranks(params)
         if not all_finite([p.grad for p in params if p.grad is not None]):
             algo.skip()
             self.log(
@@ -618,9 +623,7 @@ class Sparsifier:
             return
         weights = None
         if algo.weight_reg_at(step) > 0:  # the regulariser reads the weights
-            weights = {
-                t.name: _rows(t, gather_full(t.param.detach())) for t in self.targets
-            }
+            weights = self._whole_rows()
         algo.learn(step, weights)
 
     def learned_statistics(self) -> dict[str, float]:
