@@ -359,7 +359,8 @@ class SparseTraining:
     def metrics(self) -> dict[str, float]:
         """``sparsity/<name>/target``, ``/actual``, ``/phase`` (and in a learned phase the
         learned statistics) at the current step, plus ``/flip_rate`` once one was measured:
-        for your logger."""
+        for your logger. In a distributed run, call it on every rank: sparsity of sharded
+        weights and learned statistics are summed over the ranks (a collective)."""
         values = self.metrics_at(self.current_step)
         if self._last_flip_rate is not None:
             values[f"sparsity/{self.name}/flip_rate"] = self._last_flip_rate

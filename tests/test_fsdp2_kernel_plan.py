@@ -187,3 +187,42 @@ def test_until_backward_counts_the_pruned_copy_on_cutlass_only(monkeypatch, cusp
     assert {c.kernel for c in sp.backends.values()} == {kernel}
     (memory,) = phase_memory(sp, 8, torch.bfloat16)
     assert memory.until_backward == (0 if cusparselt else 2 * 1024 * 4096 * 2)
+
+
+@pytest.mark.parametrize(
+    "skipped", [False, True], ids=["split", "allow_skipped_layers"]
+)
+def test_plan_splits_learned_logits_over_the_ranks_of_ddp_and_fsdp2(skipped):
+    """A learned 2:4 phase on 8 ranks: each holds 1/8 of every weight's groups' logits (6 per
+    group of 4, float32, with their gradient and Adam's moments: 24 bytes a weight over all
+    ranks), under FSDP2 and under DDP; with ``allow_skipped_layers`` every rank holds them all."""
+    net = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+    phases = resolve_phases(
+        [Phase(sparsity="2:4", algorithm="learned", until=50), Phase(sparsity=0.0)], 100
+    )
+    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+    sp = Sparsifier("g", targets, phases, allow_skipped_layers=skipped)
+    whole = 2 * 1024 * 4096 * 24
+    share = whole if skipped else whole // 8
+    for shards, ranks in ((8, None), (1, 8)):  # FSDP2 over 8 ranks; DDP on 8
+        memory, dense = phase_memory(sp, shards, ranks=ranks)
+        assert memory.logits == share and dense.logits == 0
+    (alone, _) = phase_memory(sp)
+    assert alone.logits == whole
+
+
+def test_learned_logits_of_a_7b_llama_s_mlps_fit_8_ranks():
+    """Llama-2-7B's 96 MLP weights (4096x11008) learning 2:4 masks: 96.75 GiB of logits with
+    their gradient and Adam state in all, 12.09 GiB on each of 8 ranks (docs/distributed.md)."""
+    with torch.device("meta"):
+        mlps = nn.ModuleList(
+            nn.Linear(4096, 11008) if i % 3 != 2 else nn.Linear(11008, 4096)
+            for i in range(96)
+        )
+    phases = resolve_phases(
+        [Phase(sparsity="2:4", algorithm="learned", until=50), Phase(sparsity=0.0)], 100
+    )
+    sp = Sparsifier("g", select_parameters(mlps, params=["*.weight"]).targets, phases)
+    (memory, _) = phase_memory(sp, 8, torch.bfloat16)
+    assert memory.logits / 2**20 == 12384.0
+    assert phase_memory(sp, 1)[0].logits / 2**20 == 99072.0

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_sparse.cli.memory import phase_memory
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.memory_census import PeakBytes, storage_bytes
@@ -75,3 +76,35 @@ def test_each_weight_is_gathered_once_per_mask_choice(monkeypatch, distribution)
         "0.weight": (8, 4, 3, 3),
         "2.weight": (16, 8),
     }
+
+
+@pytest.mark.parametrize("transposable", [False, "tiles"])
+def test_plan_counts_what_a_learned_layer_keeps_until_the_backward(transposable):
+    """Measured by a saved-tensors hook on one forward of two learned layers (inputs that need
+    a gradient, as inside a model): the product, the whole sampled mask and the softmax over
+    the candidates, beyond the parameters and the activations themselves, as plan counts."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    spec = Phase(
+        sparsity="2:4", algorithm="learned", transposable=transposable, until=5
+    )
+    phases = resolve_phases([spec, Phase(sparsity=0.0)], 10)
+    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+    sp = Sparsifier("g", targets, phases)
+    sp.on_step_start(0, [])
+    x = torch.randn(4, 32, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t) or t, lambda t: t
+    ):
+        hidden = net[1](net[0](x))
+        net[2](hidden)
+    skip = {t.data_ptr() for t in [*net.parameters(), x, hidden]}
+    # the candidate tables are constants (no grad_fn), not held per layer
+    ours = [t for t in saved if t.data_ptr() not in skip and t.grad_fn is not None]
+    (memory, _) = phase_memory(sp)
+    # per layer: the product and the mask (4 bytes a weight each), the softmax (6 per 4
+    # weights, or 90 per 16, float32)
+    per_weight = 8 + (6 / 4 if not transposable else 90 / 16) * 4
+    assert memory.until_backward == (32 * 64 + 64 * 16) * per_weight
+    assert storage_bytes(ours) == memory.until_backward

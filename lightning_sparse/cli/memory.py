@@ -32,7 +32,9 @@ FSDP2 pads them):
   this copy is not); on CUTLASS its pruned copy. The cuSPARSELt ops save the weight itself
   (under FSDP2 its gathered parameter, freed after the forward) and make the pruned ``W.T``
   again in the backward, and a hard mask on masked math multiplies the weight itself: they keep
-  none.
+  none. A learned phase keeps, besides the product, the whole sampled mask it multiplies by (in
+  the matmul dtype, for the weight's gradient) and its rank's share of the softmax over the
+  candidates (float32, ``ceil(units / ranks)`` rows of ``C(M, N)`` or 90).
 - **at a mask choice**: transient, at the phase start and each mask update: under FSDP2 the
   engine gathers one selected weight whole at a time (its stored dtype) and chooses its whole
   mask (1 byte a weight) before the next: the largest layer's. Not counted: at an update, that
@@ -178,6 +180,9 @@ def phase_memory(
                 units, candidates = algo.logit_count(torch.Size(rows))
                 units = math.ceil(units / learners)  # this rank's share
                 logits += units * candidates * 4 * LOGIT_TENSORS
+                # the sampled mask, whole, and this rank's softmax over the candidates
+                dtype = compute_dtype or t.param.dtype
+                saved += numel * dtype.itemsize + units * candidates * 4
         found.append(
             PhaseMemory(
                 phase=phase.index,

@@ -87,6 +87,10 @@ def describe_start(name: str, algo: Learned, step: int, resumed: bool = False) -
     ]
     how = "goes on learning" if resumed else "learns"
     units, held = learned_units(algo, algo.shapes.values())
+    where = ""
+    if algo.shards.splits:  # what this rank holds of them
+        held = sum(logit_bytes(*value.shape) for value in algo.logits.values())
+        where = " on this rank, its share of the ranks' split"
     parts = [f"{n} {many}, {c} logits each" for (_, many, c), n in units.items()]
     uniform = f"{math.log(candidates):.2f} nats"
     if algo.tiled:
@@ -95,7 +99,7 @@ def describe_start(name: str, algo: Learned, step: int, resumed: bool = False) -
         f"[{name}] step {step}: phase {algo.phase.index + 1} {how} {algo.target} masks of "
         f"{len(algo.shapes)} parameters (weights {frozen}{handover_form(algo)}): "
         f"{', '.join(parts)} ({held / 2**20:.2f} MiB with their gradient and Adam "
-        f"state), prior init={algo.init!r} at strength {algo.prior_strength:g}; pattern "
+        f"state{where}), prior init={algo.init!r} at strength {algo.prior_strength:g}; pattern "
         f"entropy of a uniform distribution: {uniform}"
     )
     return "\n".join([head] + [f"  {line}" for line in layer_lines(report)])
