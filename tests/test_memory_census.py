@@ -81,8 +81,8 @@ def test_each_weight_is_gathered_once_per_mask_choice(monkeypatch, distribution)
 @pytest.mark.parametrize("transposable", [False, "tiles"])
 def test_plan_counts_what_a_learned_layer_keeps_until_the_backward(transposable):
     """Measured by a saved-tensors hook on one forward of two learned layers (inputs that need
-    a gradient, as inside a model): the product, the whole sampled mask and the softmax over
-    the candidates, beyond the parameters and the activations themselves, as plan counts."""
+    a gradient, as inside a model): the whole sampled mask and the softmax over the
+    candidates, beyond the parameters and the activations themselves, as plan counts."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     spec = Phase(
@@ -103,8 +103,8 @@ def test_plan_counts_what_a_learned_layer_keeps_until_the_backward(transposable)
     # the candidate tables are constants (no grad_fn), not held per layer
     ours = [t for t in saved if t.data_ptr() not in skip and t.grad_fn is not None]
     (memory, _) = phase_memory(sp)
-    # per layer: the product and the mask (4 bytes a weight each), the softmax (6 per 4
-    # weights, or 90 per 16, float32)
-    per_weight = 8 + (6 / 4 if not transposable else 90 / 16) * 4
+    # per layer: the mask (4 bytes a weight; not the product, which the backward makes
+    # again), the softmax (6 per 4 weights, or 90 per 16, float32)
+    per_weight = 4 + (6 / 4 if not transposable else 90 / 16) * 4
     assert memory.until_backward == (32 * 64 + 64 * 16) * per_weight
     assert storage_bytes(ours) == memory.until_backward

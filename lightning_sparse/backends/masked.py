@@ -32,6 +32,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from lightning_sparse.backends.masked_linear import masked_linear
 from lightning_sparse.core.layers import CONV, CONV1D, LINEAR, LayerType
 from lightning_sparse.masks.tiles import TILE_KERNEL_DTYPES
 
@@ -67,6 +68,18 @@ class SparseForwardMixin:
     _ls_sample: Callable[[bool, torch.dtype], Tensor] | None
     _ls_original_class: type[nn.Module]
     _ls_layer: ClassVar[LayerType]
+
+    def sparse_mask(self, dtype: torch.dtype) -> tuple[Tensor, bool]:
+        """The mask the weight is multiplied by for a matmul in ``dtype``, and whether the
+        weight's gradient passes it unmasked (straight-through)."""
+        weight = self.weight  # type: ignore[attr-defined]
+        if self._ls_sample is not None:
+            mask = self._ls_sample(self.training, dtype)  # type: ignore[attr-defined]
+            return mask, bool(getattr(self._ls_sample, "dense_gradient", False))
+        if self._ls_project is not None:
+            return project_mask(self._ls_project, weight, dtype), True
+        assert self._ls_mask is not None
+        return self._ls_mask, True
 
     def sparse_weight(self, dtype: torch.dtype) -> Tensor:
         """The weight times its mask, for a matmul in ``dtype``."""
@@ -155,11 +168,17 @@ def _projected_weight(weight: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class MaskedForward(SparseForwardMixin):
-    """The layer type's own computation, with the masked weight."""
+    """The layer type's own computation, with the masked weight; an eager Linear keeps its
+    weight and mask for the backward, not their product (:func:`masked_linear`)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        weight = self.sparse_weight(matmul_dtype(input, self.weight))
-        return self._ls_layer.compute(self, input, weight)
+        dtype = matmul_dtype(input, self.weight)
+        if self._ls_layer is LINEAR and not torch.compiler.is_compiling():
+            mask, dense_gradient = self.sparse_mask(dtype)
+            return masked_linear(
+                input, self.weight, mask, self.bias, dtype, dense_gradient
+            )
+        return self._ls_layer.compute(self, input, self.sparse_weight(dtype))
 
 
 class MaskedLinear(MaskedForward, nn.Linear):

@@ -25,16 +25,19 @@ FSDP2 pads them):
   weight), split over the run's ranks (``ceil(units / ranks)`` groups or tiles each, under
   DDP as under FSDP2: :mod:`~lightning_sparse.engine.logit_shards`), whole on every rank
   with ``allow_skipped_layers``.
-- **until backward**: the share of the saved activations that the sparsity path adds: a
-  straight-through forward on masked math multiplies a new tensor, the weight times its mask,
-  which autograd keeps from the forward to the backward: the whole weight in the matmul dtype,
-  per layer, on every rank (under FSDP2 too: the gathered weight is freed after the forward,
-  this copy is not); on CUTLASS its pruned copy. The cuSPARSELt ops save the weight itself
-  (under FSDP2 its gathered parameter, freed after the forward) and make the pruned ``W.T``
-  again in the backward, and a hard mask on masked math multiplies the weight itself: they keep
-  none. A learned phase keeps, besides the product, the whole sampled mask it multiplies by (in
-  the matmul dtype, for the weight's gradient) and its rank's share of the softmax over the
-  candidates (float32, ``ceil(units / ranks)`` rows of ``C(M, N)`` or 90).
+- **until backward**: the share of the saved activations that the sparsity path adds (eager;
+  a compiled graph is the compiler's to plan). A straight-through forward on masked math
+  multiplies the weight by its mask: a Linear keeps the weight and the mask, not their product
+  (:mod:`~lightning_sparse.backends.masked_linear`), so a stored mask adds nothing and a
+  projected one (``runtime``) its bool mask, 1 byte a weight; other layers (convolutions,
+  ``Conv1D``) keep the product, the whole weight in the matmul dtype, per layer, on every rank
+  (under FSDP2 too: the gathered weight is freed after the forward, this copy is not); on
+  CUTLASS its pruned copy. The cuSPARSELt ops save the weight itself (under FSDP2 its gathered
+  parameter, freed after the forward) and make the pruned ``W.T`` again in the backward, and a
+  hard mask on masked math multiplies the weight itself: they keep none. A learned phase keeps
+  the whole sampled mask it multiplies by (in the matmul dtype, for the weight's gradient) and
+  its rank's share of the softmax over the candidates (float32, ``ceil(units / ranks)`` rows
+  of ``C(M, N)`` or 90).
 - **at a mask choice**: transient, at the phase start and each mask update: under FSDP2 the
   engine gathers one selected weight whole at a time (its stored dtype) and chooses its whole
   mask (1 byte a weight) before the next: the largest layer's. Not counted: at an update, that
@@ -72,6 +75,7 @@ from torch import Tensor
 from lightning_sparse.algorithms.learned import Learned
 from lightning_sparse.backends.cusparselt import packs_stored_masks
 from lightning_sparse.backends.gpus import GpuTarget
+from lightning_sparse.core.layers import LINEAR
 from lightning_sparse.engine.report import text_table
 from lightning_sparse.engine.sparsifier import Sparsifier
 
@@ -167,10 +171,16 @@ def phase_memory(
             choice = sp.backends[phase.index, t.name]
             kernel = choice.name == "semi_structured"
             kept = not algo.projects and (algo.straight_through or kernel)
+            dtype = compute_dtype or t.param.dtype
             if algo.projects or (algo.straight_through and not kernel):
-                dtype = compute_dtype or t.param.dtype
-                if not (kernel and choice.kernel == "cusparselt"):  # its ops save W
+                if kernel:  # cuSPARSELt's ops save W; CUTLASS keeps its pruned copy
+                    saved += (
+                        0 if choice.kernel == "cusparselt" else numel * dtype.itemsize
+                    )
+                elif t.layer is not LINEAR:  # the product, for the input's gradient
                     saved += numel * dtype.itemsize
+                elif algo.projects:  # a Linear keeps the projected bool mask instead
+                    saved += numel
             if kept and shards > 1:
                 whole += numel
             rows = tuple(t.layer.to_rows(t.param).shape)
@@ -181,7 +191,6 @@ def phase_memory(
                 units = math.ceil(units / learners)  # this rank's share
                 logits += units * candidates * 4 * LOGIT_TENSORS
                 # the sampled mask, whole, and this rank's softmax over the candidates
-                dtype = compute_dtype or t.param.dtype
                 saved += numel * dtype.itemsize + units * candidates * 4
         found.append(
             PhaseMemory(
