@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from lightning_sparse import SparsityCallback, export_state_dict
 from lightning_sparse.algorithms import Learned, MaskContext, build_algorithm
 from lightning_sparse.core.schedule import Phase, resolve_phases
+from lightning_sparse.engine.gradients import average_over_ranks
 from lightning_sparse.engine.logit_shards import RankShards
 from lightning_sparse.engine.sharding import gather_full
 
@@ -118,7 +119,6 @@ def fit(
     sparsity = SparsityCallback(
         phases=cfg["phases"],
         params=["blocks.0.weight", "blocks.2.weight"],
-        allow_skipped_layers=bool(run.get("allow_skipped_layers")),
         verbose=False,
     )
     record = StepRecord(sparsity)
@@ -164,16 +164,18 @@ def gathered_units() -> dict[str, Any]:
 def split_step() -> dict[str, Any]:
     """Two learned steps (with the sparse-weight regulariser) of a 16x32 weight's logits, split
     over the ranks, each rank's loss from its own inputs; and the same steps on whole logits
-    in this one process, each step's gradients summed over both ranks' losses and halved:
-    the logits, the most likely masks, and the split state read back by each rank."""
+    in this one process, each step's gradients summed over both ranks' losses and halved;
+    and on whole logits on each rank (``allow_skipped_layers``), their gradients averaged by
+    the engine: the logits, the most likely masks, and the split state read back by each
+    rank."""
     rank = int(os.environ["LOCAL_RANK"])
     phase = resolve_phases([Phase(**{**LEARNED, "until": 10})], 10)[0]
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(16, 32, generator=gen)
     inputs = [torch.randn(8, 32, generator=gen) for _ in range(2)]
-    split, whole = build_algorithm(phase), build_algorithm(phase)
-    split.shards = RankShards()
-    for algo in (split, whole):
+    split, whole, kept = (build_algorithm(phase) for _ in range(3))
+    split.shards, kept.shards = RankShards(), RankShards(split=False)
+    for algo in (split, whole, kept):
         prior = algo.initial_mask(weight, phase.target, MaskContext("w", 0, 0))
         algo.begin(0, {"w": prior})
 
@@ -181,18 +183,23 @@ def split_step() -> dict[str, Any]:
         return (x @ (weight * algo.sample("w", True)).T).square().mean()
 
     for step in range(2):
-        split.step = whole.step = step
+        split.step = whole.step = kept.step = step
         loss(split, inputs[rank]).backward()
+        loss(kept, inputs[rank]).backward()
+        average_over_ranks(list(kept.parameters()))  # as the engine does for them
         for x in inputs:
             loss(whole, x).backward()
         whole.logits["w"].grad /= 2
-        split.learn(step, {"w": weight})
-        whole.learn(step, {"w": weight})
+        for algo in (split, whole, kept):
+            algo.learn(step, {"w": weight})
     state = split.state_dict()  # whole, gathered
     checked = split.check_state(state, {"w": weight.shape}, {"w": weight.device})
     owned = split.owned["w"]
     return {
         "held": list(split.logits["w"].shape),
+        "kept_held": list(kept.logits["w"].shape),
+        # two ranks' gradients summed in either order: the same bits
+        "kept_equal": bool(torch.equal(kept.logits["w"], whole.logits["w"])),
         "max_difference": float((state["logits"]["w"] - whole.logits["w"]).abs().max()),
         "masks_equal": bool(
             torch.equal(split.most_likely("w"), whole.most_likely("w"))

@@ -202,6 +202,7 @@ def test_plan_splits_learned_logits_over_the_ranks_of_ddp_and_fsdp2(skipped):
     )
     targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
     sp = Sparsifier("g", targets, phases, allow_skipped_layers=skipped)
+    assert sp.algorithms[0].shards.split is not skipped  # what the engine learns with
     whole = 2 * 1024 * 4096 * 24
     share = whole if skipped else whole // 8
     for shards, ranks in ((8, None), (1, 8)):  # FSDP2 over 8 ranks; DDP on 8

@@ -443,14 +443,17 @@ def _memory_lines(plan: SchedulePlan, group: GroupPlan) -> list[str]:
         return []
     if plan.sharded:
         how = (
-            f"FSDP2 over {shards} rank(s): each keeps 1/{shards} of every weight and its "
-            f"mask, and each forward multiplies the weight gathered whole"
+            f"FSDP2 over {shards} rank(s): each keeps 1/{shards} of every weight, its "
+            f"mask and its learned-mask logits, and each forward multiplies the weight "
+            f"gathered whole"
         )
     else:
         ranks = (
             f"each of {plan.world_size} ranks" if plan.world_size > 1 else "one device"
         )
         how = f"not sharded: whole weights and masks on {ranks}"
+        if plan.world_size > 1:
+            how += ", learned-mask logits split over them"
     title = (
         f"memory per rank, MiB ({how}; the model's parameters, their gradients and 2 tensors "
         f"of optimizer state each (Adam's moments); until backward: what the sparsity path "
