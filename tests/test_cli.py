@@ -504,3 +504,30 @@ def test_plan_leaves_nm_misfits_dense_and_finds_the_head_by_the_example_forward(
         ValueError, match=r"'model.conv_proj.weight': .*3 input channels"
     ):
         plan_schedule(fast_trainer(max_steps=10, callbacks=[cb]), module)
+
+
+def test_plan_splits_learned_logits_over_the_ddp_ranks(tmp_path, capsys):
+    """The plan of a learned phase under DDP on 2 devices: whole weights and masks on each
+    rank, each rank's half of the logits (the table's logits column halves)."""
+    phases = [
+        {"sparsity": "2:4", "algorithm": "learned", "until": 0.5},
+        {"sparsity": 0.0},
+    ]
+    recipe = vit_demo_with(tmp_path, phases=phases)
+    logits = {}
+    for devices in (1, 2):
+        SparseCLI(
+            args=[
+                "plan",
+                f"--config={recipe}",
+                "--plot=false",
+                f"--trainer.devices={devices}",
+                "--trainer.strategy=ddp",
+            ]
+        )
+        out = " ".join(capsys.readouterr().out.split())
+        split = "each of 2 ranks, learned-mask logits split over them"
+        assert (split in out) == (devices == 2)
+        row = out.split("memory per rank", 1)[1].split("phase 1 ", 1)[1].split()
+        logits[devices] = float(row[6])
+    assert logits[2] == pytest.approx(logits[1] / 2, abs=0.1)

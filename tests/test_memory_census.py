@@ -108,3 +108,26 @@ def test_plan_counts_what_a_learned_layer_keeps_until_the_backward(transposable)
     per_weight = 4 + (6 / 4 if not transposable else 90 / 16) * 4
     assert memory.until_backward == (32 * 64 + 64 * 16) * per_weight
     assert storage_bytes(ours) == memory.until_backward
+
+
+def test_plan_counts_the_bool_mask_a_runtime_linear_keeps_until_the_backward():
+    """``runtime`` 2:4 on masked math: a Linear keeps the bool mask it projected (1 byte a
+    weight), not the weight times it, measured by a saved-tensors hook as plan counts it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    phases = resolve_phases([Phase(sparsity="2:4", until=5), Phase(sparsity=0.0)], 10)
+    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
+    sp = Sparsifier("g", targets, phases)
+    sp.on_step_start(0, [])
+    x = torch.randn(4, 32, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t) or t, lambda t: t
+    ):
+        hidden = net[1](net[0](x))
+        net[2](hidden)
+    skip = {t.untyped_storage().data_ptr() for t in [*net.parameters(), x, hidden]}
+    ours = [t for t in saved if t.untyped_storage().data_ptr() not in skip]
+    assert {t.dtype for t in ours} == {torch.bool}
+    (memory, _) = phase_memory(sp)
+    assert storage_bytes(ours) == memory.until_backward == 32 * 64 + 64 * 16
