@@ -302,9 +302,11 @@ class SparseTraining:
 
     def state_dict(self) -> dict[str, Any]:
         """The group's state for a checkpoint (``torch.save`` reads it with
-        ``weights_only=True``): masks, phase, step and schedule, the flip-rate records, and
-        with ``restore_rng=True`` every process's random number generator states (a
-        collective under ``torch.distributed``: call it on every rank)."""
+        ``weights_only=True``): masks, phase, step and schedule, the flip-rate records, in a
+        learned phase its logits (gathered from the ranks), and with ``restore_rng=True``
+        every process's random number generator states. A collective under
+        ``torch.distributed`` (sharded masks, learned logits, generators): call it on every
+        rank, and save on one."""
         self._refuse_missing_step("a checkpoint is saved")
         return {**self.group_state(), "step": self.current_step}
 
