@@ -199,7 +199,8 @@ def export_state_dict(
 
     Args:
         source: a :class:`~lightning.pytorch.Trainer` that ran ``fit`` with sparsity callbacks
-            (with sharded parameters, e.g. FSDP2, call it on every rank: weights are gathered),
+            (with sharded parameters, e.g. FSDP2, or inside a distributed learned phase,
+            call it on every rank: weights or the learned masks are gathered),
             the :class:`~lightning.pytorch.LightningModule` it trained (still attached to that
             trainer, as after ``fit``; once the trainer or its callback has fit another model,
             the module is refused, never exported with that model's weights or masks), a
