@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sparse.cli.memory import phase_memory
+from lightning_sparse.cli.memory import PhaseMemory, phase_memory
 from lightning_sparse.core.schedule import Phase, resolve_phases
 from lightning_sparse.core.selection import select_parameters
 from lightning_sparse.engine.memory_census import PeakBytes, storage_bytes
@@ -78,44 +78,13 @@ def test_each_weight_is_gathered_once_per_mask_choice(monkeypatch, distribution)
     }
 
 
-@pytest.mark.parametrize("transposable", [False, "tiles"])
-def test_plan_counts_what_a_learned_layer_keeps_until_the_backward(transposable):
-    """Measured by a saved-tensors hook on one forward of two learned layers (inputs that need
-    a gradient, as inside a model): the whole sampled mask and the softmax over the
-    candidates, beyond the parameters and the activations themselves, as plan counts."""
+def saved_by_sparse_forwards(spec: Phase) -> tuple[list[torch.Tensor], PhaseMemory]:
+    """What one forward of two layers in a phase of ``spec`` keeps for the backward (by a
+    saved-tensors hook; inputs that need a gradient, as inside a model), beyond the
+    parameters and the activations themselves; and plan's count of the phase."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
-    spec = Phase(
-        sparsity="2:4", algorithm="learned", transposable=transposable, until=5
-    )
     phases = resolve_phases([spec, Phase(sparsity=0.0)], 10)
-    targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
-    sp = Sparsifier("g", targets, phases)
-    sp.on_step_start(0, [])
-    x = torch.randn(4, 32, requires_grad=True)
-    saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(
-        lambda t: saved.append(t) or t, lambda t: t
-    ):
-        hidden = net[1](net[0](x))
-        net[2](hidden)
-    skip = {t.data_ptr() for t in [*net.parameters(), x, hidden]}
-    # the candidate tables are constants (no grad_fn), not held per layer
-    ours = [t for t in saved if t.data_ptr() not in skip and t.grad_fn is not None]
-    (memory, _) = phase_memory(sp)
-    # per layer: the mask (4 bytes a weight; not the product, which the backward makes
-    # again), the softmax (6 per 4 weights, or 90 per 16, float32)
-    per_weight = 4 + (6 / 4 if not transposable else 90 / 16) * 4
-    assert memory.until_backward == (32 * 64 + 64 * 16) * per_weight
-    assert storage_bytes(ours) == memory.until_backward
-
-
-def test_plan_counts_the_bool_mask_a_runtime_linear_keeps_until_the_backward():
-    """``runtime`` 2:4 on masked math: a Linear keeps the bool mask it projected (1 byte a
-    weight), not the weight times it, measured by a saved-tensors hook as plan counts it."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
-    phases = resolve_phases([Phase(sparsity="2:4", until=5), Phase(sparsity=0.0)], 10)
     targets = select_parameters(net, params=["0.weight", "2.weight"]).targets
     sp = Sparsifier("g", targets, phases)
     sp.on_step_start(0, [])
@@ -128,6 +97,30 @@ def test_plan_counts_the_bool_mask_a_runtime_linear_keeps_until_the_backward():
         net[2](hidden)
     skip = {t.untyped_storage().data_ptr() for t in [*net.parameters(), x, hidden]}
     ours = [t for t in saved if t.untyped_storage().data_ptr() not in skip]
-    assert {t.dtype for t in ours} == {torch.bool}
     (memory, _) = phase_memory(sp)
+    return ours, memory
+
+
+@pytest.mark.parametrize("transposable", [False, "tiles"])
+def test_plan_counts_what_a_learned_layer_keeps_until_the_backward(transposable):
+    """Two learned layers keep the whole sampled mask and the softmax over the candidates,
+    as plan counts."""
+    spec = Phase(
+        sparsity="2:4", algorithm="learned", transposable=transposable, until=5
+    )
+    saved, memory = saved_by_sparse_forwards(spec)
+    # the candidate tables are constants (no grad_fn), not held per layer
+    ours = [t for t in saved if t.grad_fn is not None]
+    # per layer: the mask (4 bytes a weight; not the product, which the backward makes
+    # again), the softmax (6 per 4 weights, or 90 per 16, float32)
+    per_weight = 4 + (6 / 4 if not transposable else 90 / 16) * 4
+    assert memory.until_backward == (32 * 64 + 64 * 16) * per_weight
+    assert storage_bytes(ours) == memory.until_backward
+
+
+def test_plan_counts_the_bool_mask_a_runtime_linear_keeps_until_the_backward():
+    """``runtime`` 2:4 on masked math: a Linear keeps the bool mask it projected (1 byte a
+    weight), not the weight times it, as plan counts."""
+    ours, memory = saved_by_sparse_forwards(Phase(sparsity="2:4", until=5))
+    assert {t.dtype for t in ours} == {torch.bool}
     assert storage_bytes(ours) == memory.until_backward == 32 * 64 + 64 * 16

@@ -461,10 +461,8 @@ class Learned(SparsityAlgorithm):
         changed, groups, entropy = self.shards.sum(
             [float(moved.sum()), float(moved.numel()), entropy]
         )
-        units = groups if name not in self.tiled else groups / 4
-        # a tile's entropy spread over its 4 groups
-        per_group = entropy / max(units, 1) / (4 if name in self.tiled else 1)
-        return int(changed), int(groups), per_group
+        # per group: a tile's entropy is spread over its 4 groups
+        return int(changed), int(groups), entropy / max(groups, 1)
 
     def release(self) -> None:
         """Free the logits and their optimizer (the phase is over)."""

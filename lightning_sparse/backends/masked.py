@@ -70,46 +70,40 @@ class SparseForwardMixin:
     _ls_layer: ClassVar[LayerType]
 
     def sparse_mask(self, dtype: torch.dtype) -> tuple[Tensor, bool]:
-        """The mask the weight is multiplied by for a matmul in ``dtype``, and whether the
-        weight's gradient passes it unmasked (straight-through)."""
-        weight = self.weight  # type: ignore[attr-defined]
-        if self._ls_sample is not None:
-            mask = self._ls_sample(self.training, dtype)  # type: ignore[attr-defined]
-            return mask, bool(getattr(self._ls_sample, "dense_gradient", False))
-        if self._ls_project is not None:
-            return project_mask(self._ls_project, weight, dtype), True
-        assert self._ls_mask is not None
-        return self._ls_mask, True
+        """:func:`layer_mask` of this layer's weight, for a matmul in ``dtype``."""
+        return layer_mask(self, self.weight, dtype)  # type: ignore[attr-defined]
 
     def sparse_weight(self, dtype: torch.dtype) -> Tensor:
-        """The weight times its mask, for a matmul in ``dtype``."""
-        weight = self.weight  # type: ignore[attr-defined]
-        if self._ls_sample is not None:
-            return sampled_mask(weight, self._ls_sample, self.training, dtype)  # type: ignore[attr-defined]
-        mask = (
-            project_mask(self._ls_project, weight, dtype)
-            if self._ls_project is not None
-            else self._ls_mask
-        )
-        return straight_through_mask(weight, mask)
+        """The weight times its mask, for a matmul in ``dtype`` (:func:`masked_weight`)."""
+        return masked_weight(self, self.weight, dtype)  # type: ignore[attr-defined]
 
 
-def sampled_mask(
-    weight: Tensor,
-    sample: Callable[[bool, torch.dtype], Tensor],
-    training: bool,
-    dtype: torch.dtype,
-) -> Tensor:
-    """``weight * sample(training, dtype)`` for a matmul in ``dtype``, multiplied in that
-    dtype (so that a float32 weight under autocast and the 16-bit weight FSDP2 gathers give
-    the same product): its gradient reaches the sampled mask, hence the parameters it was
-    drawn from, and the weight, times the mask (the product's own gradient) or, where
-    ``sample`` has a true ``dense_gradient`` attribute, unmasked (straight-through, as
-    :func:`straight_through_mask`)."""
-    mask = sample(training, dtype)
-    if getattr(sample, "dense_gradient", False):
-        return straight_through_mask(weight.to(dtype), mask)
-    return weight.to(dtype) * mask
+def layer_mask(
+    module: nn.Module, weight: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, bool]:
+    """The mask ``module`` multiplies ``weight`` by for a matmul in ``dtype`` (a learned
+    sample, ``sample(module.training, dtype)``; a projected mask; or the stored one), and
+    whether the weight's gradient passes it unmasked (straight-through: always, except for a
+    sample without a true ``dense_gradient`` attribute)."""
+    if module._ls_sample is not None:
+        mask = module._ls_sample(module.training, dtype)
+        return mask, bool(getattr(module._ls_sample, "dense_gradient", False))
+    if module._ls_project is not None:
+        return project_mask(module._ls_project, weight, dtype), True
+    assert module._ls_mask is not None
+    return module._ls_mask, True
+
+
+def masked_weight(module: nn.Module, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weight`` times :func:`layer_mask`: its gradient reaches a sampled mask, hence the
+    parameters it was drawn from, and the weight, times the mask (the product's own
+    gradient) or unmasked (straight-through, as :func:`straight_through_mask`). A sample is
+    multiplied in ``dtype``, so that a float32 weight under autocast and the 16-bit weight
+    FSDP2 gathers give the same product."""
+    mask, dense_gradient = layer_mask(module, weight, dtype)
+    if module._ls_sample is not None:
+        weight = weight.to(dtype)
+    return straight_through_mask(weight, mask) if dense_gradient else weight * mask
 
 
 def matmul_dtype(input: Tensor, weight: Tensor) -> torch.dtype:
@@ -259,7 +253,7 @@ def install_masked_forward(
     sample: Callable[[bool, torch.dtype], Tensor] | None = None,
 ) -> None:
     """Make ``module`` compute with ``weight * mask`` (or ``weight * project(weight)``, both
-    straight-through, or ``weight * sample(module.training)``, see :func:`sampled_mask`)."""
+    straight-through, or ``weight * sample(module.training)``, see :func:`masked_weight`)."""
     swap_forward(module, _MASKED_CLASSES, mask=mask, project=project, sample=sample)
 
 
@@ -309,7 +303,7 @@ def install_sparse_attribute(
 ) -> None:
     """Make every read of ``module.<attr>`` return ``weight * mask`` (or ``weight *
     project(weight)``), straight-through, or ``weight * sample(module.training)``
-    (:func:`sampled_mask`), for a weight that other code reads directly instead
+    (:func:`masked_weight`), for a weight that other code reads directly instead
     of calling ``module`` (``nn.MultiheadAttention`` hands ``in_proj_weight`` and
     ``out_proj.weight`` to ``F.multi_head_attention_forward``).
 
@@ -335,15 +329,7 @@ def install_sparse_attribute(
 def _sparse_read(module: nn.Module) -> Tensor:
     weight = module._parameters[module._ls_attr]
     module._ls_ran = True  # the engine's check that the sparse weight is read
-    if module._ls_sample is not None:
-        dtype = matmul_dtype(weight, weight)
-        return sampled_mask(weight, module._ls_sample, module.training, dtype)
-    mask = (
-        project_mask(module._ls_project, weight, matmul_dtype(weight, weight))
-        if module._ls_project is not None
-        else module._ls_mask
-    )
-    return straight_through_mask(weight, mask)
+    return masked_weight(module, weight, matmul_dtype(weight, weight))
 
 
 def original_class(module: nn.Module) -> type[nn.Module]:

@@ -75,10 +75,10 @@ class _MaskedLinear(torch.autograd.Function):
         x, weight, mask = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grad_input = grad_weight = grad_mask = grad_bias = None
+        rows = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
         if needs[0]:
             grad_input = grad @ _product(weight, mask, ctx.dtype)
         if needs[1] or needs[2]:
-            rows = grad.reshape(-1, grad.shape[-1])
             grad_product = rows.T @ x.reshape(-1, x.shape[-1])  # (out, in)
             if needs[1]:
                 # straight-through: the product's gradient as it is
@@ -87,5 +87,5 @@ class _MaskedLinear(torch.autograd.Function):
             if needs[2]:
                 grad_mask = grad_product * weight.to(ctx.dtype)
         if needs[3]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+            grad_bias = rows.sum(0)
         return grad_input, grad_weight, grad_mask, grad_bias, None, None

@@ -174,9 +174,8 @@ def phase_memory(
             dtype = compute_dtype or t.param.dtype
             if algo.projects or (algo.straight_through and not kernel):
                 if kernel:  # cuSPARSELt's ops save W; CUTLASS keeps its pruned copy
-                    saved += (
-                        0 if choice.kernel == "cusparselt" else numel * dtype.itemsize
-                    )
+                    if choice.kernel != "cusparselt":
+                        saved += numel * dtype.itemsize
                 elif t.layer is not LINEAR:  # the product, for the input's gradient
                     saved += numel * dtype.itemsize
                 elif algo.projects:  # a Linear keeps the projected bool mask instead
