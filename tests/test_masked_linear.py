@@ -82,3 +82,19 @@ def test_under_autocast_it_multiplies_in_bf16_and_keeps_no_product():
         layer.weight.grad,
         (torch.ones(6, 4).bfloat16().T @ x.detach().reshape(6, 8).bfloat16()).float(),
     )
+
+
+def test_a_sample_without_dense_gradient_masks_the_weight_gradient():
+    """A layer given a plain sampling function (no ``dense_gradient`` attribute): the weight's
+    gradient is the product's times the mask, and the mask's is the product's times the
+    weight."""
+    gen, x, weight, _ = _inputs()
+    layer = nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    soft = torch.rand(4, 8, generator=gen).requires_grad_(True)
+    install_masked_forward(layer, sample=lambda training, dtype: soft.to(dtype))
+    layer(x).sum().backward()
+    grad_product = torch.ones(6, 4).T @ x.detach().reshape(6, 8)
+    torch.testing.assert_close(layer.weight.grad, grad_product * soft.detach())
+    torch.testing.assert_close(soft.grad, grad_product * weight.detach())
