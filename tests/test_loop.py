@@ -349,3 +349,28 @@ def test_a_group_not_yet_active_saves_the_checkpoint_state_it_waits_to_restore()
     built = SparseTraining.from_settings(settings, model, run, pending_state=waiting)
     assert built.group_state() == waiting
     assert SparseTraining.from_settings(settings, model, run).group_state() == {}
+
+
+def test_verbose_prints_the_plan_on_this_rank_and_cuda_graph_timing_warns_uncompiled(
+    capsys,
+) -> None:
+    """A single process is rank 0: ``verbose`` prints the plan table there. Timing layers as
+    CUDA graphs warns for a model not compiled with them; the default timing does not."""
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SparseTraining(
+            net, optimizer, sparsity=0.5, total_steps=10, params=["0.weight"]
+        )
+    assert "0.weight" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="not compiled with CUDA graphs"):
+        SparseTraining(
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            sparsity=0.5,
+            total_steps=10,
+            params=["0.weight"],
+            verbose=False,
+            verify_speed="cuda_graphs",
+        )
