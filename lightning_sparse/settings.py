@@ -157,7 +157,9 @@ class GroupSettings:
         check_disjoint(self.name, selection, others)
         if not selection.targets and any(not p.spec.is_dense for p in resolved):
             raise ValueError(
-                empty_selection_message(selection, self.name, type(model).__name__)
+                empty_selection_message(
+                    selection, self.name, type(model).__name__, self.owner
+                )
             )
         timing = (
             timing_for(self.verify_speed, model) if self.backend == "auto" else None

@@ -374,3 +374,12 @@ def test_verbose_prints_the_plan_on_this_rank_and_cuda_graph_timing_warns_uncomp
             verbose=False,
             verify_speed="cuda_graphs",
         )
+
+
+def test_a_selection_of_nothing_is_named_for_the_loop() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8))  # its only Linear is the head
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(
+        ValueError, match=r"^SparseTraining 'sparsity' selects no param"
+    ):
+        SparseTraining(net, optimizer, sparsity=0.5, total_steps=10, verbose=False)

@@ -324,16 +324,19 @@ def select_parameters(
     return Selection(targets, excluded, heads)
 
 
-def empty_selection_message(selection: Selection, group: str, model: str) -> str:
-    """Why a group whose phases ask for sparsity selected nothing: each parameter with two or
-    more dimensions and why it was left dense (1-D ones are left out)."""
+def empty_selection_message(
+    selection: Selection, group: str, model: str, owner: str = "SparsityCallback"
+) -> str:
+    """Why the group ``group`` of ``owner`` (the front end), whose phases ask for sparsity,
+    selected nothing: each parameter with two or more dimensions and why it was left dense
+    (1-D ones are left out)."""
     left = {n: why for n, why in selection.excluded.items() if why != "1-D"}
     lines = [f"  {n}: {why}" for n, why in list(left.items())[:12]]
     if len(left) > 12:
         lines.append(f"  ... and {len(left) - 12} more")
     found = "\n".join(lines) if lines else "  (no parameter with 2 or more dimensions)"
     return (
-        f"SparsityCallback {group!r} selects no parameter of {model}, but its phases ask for "
+        f"{owner} {group!r} selects no parameter of {model}, but its phases ask for "
         f"sparsity: the run would train dense. Parameters found and why each was left "
         f"dense:\n{found}\nName the weights to sparsify with params=[...] (globs over these "
         f"names, e.g. params=['*.weight'])"
